@@ -1,0 +1,44 @@
+"""The byte-level store every backend implements: records by key, batched, with pins and TTLs."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class StoreError(RuntimeError):
+    """The store failed: unreachable, refused, out of space, or timed out."""
+
+
+class ByteStore(ABC):
+    """Records (bytes) by string key. Batched calls; a backend pipelines them where it can."""
+
+    url: str = ""
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None) -> None:
+        """Store every record or raise StoreError. ``ttl_s``: collect them after that many seconds."""
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Records in key order; None for a missing key."""
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Delete; return how many existed."""
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return [r is not None for r in self.get_many(keys)]
+
+    def pin(self, keys: Sequence[str]) -> None:
+        """Protect keys from eviction until unpinned (counted: pin twice, unpin twice)."""
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        """Release pins taken by ``pin``."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, float]:
+        """At least: keys, bytes, capacity_bytes (0: unbounded), hits, misses, evictions."""
+
+    def close(self) -> None:
+        """Release connections."""

@@ -1,0 +1,122 @@
+"""``memory://``: the embedded store, a byte-capacity LRU with pins and TTLs, safe across threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from remote_store.backends.base import ByteStore, StoreError
+
+
+class MemoryStore(ByteStore):
+    def __init__(self, capacity_bytes: int = 0, url: str = "memory://"):
+        self.url = url
+        self.capacity_bytes = capacity_bytes  # 0: unbounded
+        self._data: OrderedDict[str, tuple[bytes, float | None]] = OrderedDict()
+        self._pins: dict[str, int] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._counters = {"hits": 0, "misses": 0, "evictions": 0, "expired": 0, "puts": 0}
+        self._last_collect = 0.0
+
+    def _drop(self, key: str) -> None:
+        value, _ = self._data.pop(key)
+        self._bytes -= len(value)
+
+    def _live(self, key: str, now: float) -> bytes | None:
+        entry = self._data.get(key)
+        if entry is None:
+            return None
+        value, expiry = entry
+        if expiry is not None and expiry <= now and not self._pins.get(key):
+            self._drop(key)
+            self._counters["expired"] += 1
+            return None
+        return value
+
+    def _make_room(self, need: int) -> None:
+        if not self.capacity_bytes:
+            return
+        if need > self.capacity_bytes:
+            raise StoreError(f"record of {need} bytes exceeds the store capacity {self.capacity_bytes}")
+        victims = iter([k for k in self._data if not self._pins.get(k)])
+        while self._bytes + need > self.capacity_bytes:
+            victim = next(victims, None)
+            if victim is None:
+                raise StoreError(
+                    f"store full: {self._bytes} of {self.capacity_bytes} bytes held and the rest pinned"
+                )
+            self._drop(victim)
+            self._counters["evictions"] += 1
+
+    def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None) -> None:
+        now = time.monotonic()
+        expiry = None if ttl_s is None else now + ttl_s
+        with self._lock:
+            self._collect(now)
+            for key, value in items:
+                if key in self._data:
+                    self._drop(key)
+                self._make_room(len(value))
+                self._data[key] = (bytes(value), expiry)
+                self._bytes += len(value)
+                self._counters["puts"] += 1
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        now = time.monotonic()
+        out = []
+        with self._lock:
+            for key in keys:
+                value = self._live(key, now)
+                if value is None:
+                    self._counters["misses"] += 1
+                else:
+                    self._data.move_to_end(key)
+                    self._counters["hits"] += 1
+                out.append(value)
+        return out
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        now = time.monotonic()
+        with self._lock:
+            return [self._live(k, now) is not None for k in keys]
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                if key in self._data:
+                    self._drop(key)
+                    n += 1
+            return n
+
+    def pin(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                left = self._pins.get(key, 0) - 1
+                if left > 0:
+                    self._pins[key] = left
+                else:
+                    self._pins.pop(key, None)
+
+    def _collect(self, now: float) -> None:
+        if now - self._last_collect < 1.0:
+            return
+        self._last_collect = now
+        expired = [k for k, (_, exp) in self._data.items() if exp is not None and exp <= now
+                   and not self._pins.get(k)]
+        for key in expired:
+            self._drop(key)
+        self._counters["expired"] += len(expired)
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"keys": len(self._data), "bytes": self._bytes, "capacity_bytes": self.capacity_bytes,
+                    "pinned_keys": len(self._pins), **self._counters}

@@ -1,0 +1,231 @@
+"""The engine's view of the full-KV tier: a model's exact KV in a byte store, chunk by chunk.
+
+Chunks that lie wholly inside a prompt are shared (content-addressed, no TTL), so another request
+or process with the same prefix finds them. A request's own chunks (the prompt's partial tail and
+everything decoded) carry its id and a TTL, and are deleted when it is released. Every record is
+checked on read (layout, token-prefix digest, layer, span, checksum); a failed check is an error.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from remote_store import codec
+from remote_store.backends.base import ByteStore, StoreError
+from remote_store.keys import KEY_PREFIX, ChunkRef, chunk_refs, salt_digest
+from vericache_sglang.core.kv import FullKV, KVLayout, dtype_name
+
+DEFAULT_CHUNK_TOKENS = 64
+DEFAULT_DECODE_TTL_S = 3600.0
+
+
+def _tensor_from(payload: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: copied right after
+        return torch.frombuffer(payload, dtype=dtype).view(shape)
+
+
+@dataclass
+class TransferStats:
+    fetches: int = 0
+    fetch_bytes: int = 0
+    last_fetch_bytes: int = 0
+    put_bytes: int = 0
+    fetch_bytes_per_verify: list[int] = field(default_factory=list)
+
+
+class FullKVStore:
+    """Full KV of one model layout in one namespace of a byte store."""
+
+    def __init__(self, backend: ByteStore, layout: KVLayout, namespace: str = "default",
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, decode_ttl_s: float = DEFAULT_DECODE_TTL_S):
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.backend = backend
+        self.layout = layout
+        self.namespace = namespace
+        self.chunk_tokens = chunk_tokens
+        self.decode_ttl_s = decode_ttl_s
+        self.layout_digest = layout.digest()
+        self.salt = salt_digest(layout.model_id, self.layout_digest, namespace)
+
+    # keys and records
+    def key(self, ref: ChunkRef, layer: int, owner: str | None = None) -> str:
+        scope = "shared" if owner is None else f"req-{owner}"
+        return (f"{KEY_PREFIX}:{self.namespace}:{self.layout_digest}:{scope}:"
+                f"{ref.digest.hex()}:{ref.num_tokens}:{layer}")
+
+    def encode(self, ref: ChunkRef, layer: int, k: torch.Tensor, v: torch.Tensor) -> bytes:
+        self.layout.check_layer(k, v)
+        payload = torch.stack([k, v]).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        header = codec.ChunkHeader(
+            codec.KIND_KV, dtype_name(self.layout.dtype), layer, self.layout.num_kv_heads, ref.num_tokens,
+            self.layout.head_dim, ref.start, self.layout_digest, ref.digest, 0, len(payload),
+        )
+        return codec.encode(header, payload)
+
+    def decode(self, record: bytes, ref: ChunkRef, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        header, payload = codec.decode(record)
+        codec.check(header, layout_digest=self.layout_digest, prefix_digest=ref.digest, layer=layer,
+                    tokens=ref.num_tokens, start=ref.start)
+        if header.kind != codec.KIND_KV or header.dtype != dtype_name(self.layout.dtype):
+            raise codec.ChunkError(f"chunk holds {header.dtype} kind {header.kind}, expected raw "
+                                   f"{dtype_name(self.layout.dtype)} KV")
+        if (header.heads, header.head_dim) != (self.layout.num_kv_heads, self.layout.head_dim):
+            raise codec.ChunkError(f"chunk of {header.heads} heads x {header.head_dim}, layout differs")
+        kv = _tensor_from(payload, self.layout.dtype, (2, header.heads, header.tokens, header.head_dim))
+        return kv[0], kv[1]
+
+    def refs(self, tokens: Sequence[int], upto: int | None = None) -> list[ChunkRef]:
+        return chunk_refs(tokens, self.chunk_tokens, self.salt, upto)
+
+    # shared prefixes
+    def longest_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens have their full KV stored in shared (whole) chunks."""
+        found = 0
+        for ref in self.refs(tokens):
+            if ref.num_tokens < self.chunk_tokens:
+                break
+            keys = [self.key(ref, layer) for layer in range(self.layout.num_layers)]
+            if not all(self.backend.exists_many(keys)):
+                break
+            found = ref.end
+        return found
+
+    def load_prefix(self, tokens: Sequence[int], upto: int) -> FullKV:
+        """The shared full KV of ``tokens[:upto]`` (``upto`` from ``longest_prefix``)."""
+        refs = self.refs(tokens, upto)
+        layers = []
+        for layer in range(self.layout.num_layers):
+            records = self.backend.get_many([self.key(r, layer) for r in refs])
+            layers.append(self._join(refs, layer, records, None))
+        return FullKV(self.layout, layers)
+
+    def _join(self, refs: list[ChunkRef], layer: int, records: list[bytes | None],
+              owners: list[str | None] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        ks, vs = [], []
+        for i, (ref, record) in enumerate(zip(refs, records, strict=True)):
+            if record is None:
+                owner = owners[i] if owners else None
+                raise StoreError(f"chunk {ref.index} (tokens [{ref.start}, {ref.end}), layer {layer}) is "
+                                 f"missing from the store (key {self.key(ref, layer, owner)})")
+            k, v = self.decode(record, ref, layer)
+            ks.append(k)
+            vs.append(v)
+        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+
+    def open_request(self, tokens: Sequence[int], request_id: str | None = None) -> RequestKV:
+        return RequestKV(self, tokens, request_id or uuid.uuid4().hex[:16])
+
+
+class RequestKV:
+    """One request's full KV in the store: written as it is committed, fetched layer by layer."""
+
+    def __init__(self, store: FullKVStore, prompt: Sequence[int], request_id: str):
+        self.store = store
+        self.request_id = request_id
+        self.tokens: list[int] = list(prompt)
+        self.shared_end = len(prompt) - len(prompt) % store.chunk_tokens  # whole prompt chunks
+        self.stored = 0  # positions [0, stored) have their KV in the store
+        self._tail: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # KV of the partial last chunk
+        self._pinned: list[str] = []
+        self._private: list[str] = []
+        self.stats = TransferStats()
+        self._lock = threading.Lock()
+
+    def _owner(self, ref: ChunkRef) -> str | None:
+        return None if ref.end <= self.shared_end and ref.num_tokens == self.store.chunk_tokens else self.request_id
+
+    def extend_tokens(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def write(self, start: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+              skip_existing_shared: bool = True) -> None:
+        """Store the exact KV of positions ``[start, start + n)``; ``start`` must be ``stored``."""
+        store = self.store
+        with self._lock:
+            if start != self.stored:
+                raise ValueError(f"write at {start}, but positions [0, {self.stored}) are what is stored")
+            n = layers[0][0].shape[1]
+            if start + n > len(self.tokens):
+                raise ValueError(f"KV for positions up to {start + n}, only {len(self.tokens)} tokens known")
+            chunk0 = start - start % store.chunk_tokens
+            if self._tail is not None:
+                layers = [(torch.cat([tk, k], 1), torch.cat([tv, v], 1))
+                          for (tk, tv), (k, v) in zip(self._tail, layers, strict=True)]
+            refs = [r for r in store.refs(self.tokens, start + n) if r.end > chunk0]
+            old_tail = [r for r in store.refs(self.tokens, start) if r.start == chunk0 and r.end > chunk0]
+            shared_items, private_items, all_new, private = [], [], [], []
+            for ref in refs:
+                owner = self._owner(ref)
+                keys = [store.key(ref, layer, owner) for layer in range(store.layout.num_layers)]
+                # Pinned before they are written, so no other writer can evict them in between.
+                store.backend.pin(keys)
+                self._pinned.extend(keys)
+                all_new.extend(keys)
+                if owner is None and skip_existing_shared and all(store.backend.exists_many(keys)):
+                    continue
+                lo, hi = ref.start - chunk0, ref.end - chunk0
+                out = shared_items if owner is None else private_items
+                for layer, (k, v) in enumerate(layers):
+                    out.append((keys[layer], store.encode(ref, layer, k[:, lo:hi], v[:, lo:hi])))
+                if owner is not None:
+                    private.extend(keys)
+            for group, ttl in ((shared_items, None), (private_items, store.decode_ttl_s)):
+                if group:
+                    store.backend.put_many(group, ttl)
+                    self.stats.put_bytes += sum(len(r) for _, r in group)
+            self._private.extend(private)
+            if old_tail:
+                keep = set(all_new)
+                superseded = [store.key(old_tail[0], layer, self._owner(old_tail[0]))
+                              for layer in range(store.layout.num_layers)]
+                superseded = [k for k in superseded if k not in keep]
+                store.backend.unpin(superseded)
+                store.backend.delete_many(superseded)
+                drop = set(superseded)
+                self._pinned = [k for k in self._pinned if k not in drop]
+                self._private = [k for k in self._private if k not in drop]
+            last = refs[-1]
+            if last.num_tokens < store.chunk_tokens:
+                lo = last.start - chunk0
+                self._tail = [(k[:, lo:].clone(), v[:, lo:].clone()) for k, v in layers]
+            else:
+                self._tail = None
+            self.stored = start + n
+
+    def fetch_layers(self, upto: int | None = None, layers: Sequence[int] | None = None
+                     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield ``(layer, keys, values)`` of positions ``[0, upto)``, one layer per batched get."""
+        store = self.store
+        upto = self.stored if upto is None else upto
+        if upto > self.stored:
+            raise ValueError(f"fetch up to {upto}, but only [0, {self.stored}) is stored")
+        refs = store.refs(self.tokens, self.stored)
+        refs = [r for r in refs if r.start < upto]
+        owners = [self._owner(r) for r in refs]
+        total = 0
+        for layer in range(store.layout.num_layers) if layers is None else layers:
+            keys = [store.key(r, layer, o) for r, o in zip(refs, owners, strict=True)]
+            records = store.backend.get_many(keys)
+            total += sum(len(r) for r in records if r is not None)
+            k, v = store._join(refs, layer, records, owners)
+            yield layer, k[:, :upto], v[:, :upto]
+        self.stats.fetches += 1
+        self.stats.fetch_bytes += total
+        self.stats.last_fetch_bytes = total
+        self.stats.fetch_bytes_per_verify.append(total)
+
+    def release(self, delete_private: bool = True) -> None:
+        """Unpin the request's chunks; delete its private ones (shared ones stay cached)."""
+        with self._lock:
+            self.store.backend.unpin(self._pinned)
+            if delete_private and self._private:
+                self.store.backend.delete_many(self._private)
+            self._pinned, self._private = [], []

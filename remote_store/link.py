@@ -1,0 +1,74 @@
+"""A link emulator around any backend: real bytes move and are checked; only the remainder of the
+emulated transfer time is slept.
+
+The link is serial, as a PCIe lane or a NIC is: concurrent transfers queue behind each other.
+Bandwidth is meant to be set by ratio to the engine's own memory bandwidth (see DESIGN.md:
+what decides VeriCache's gain is device-memory bandwidth over link bandwidth, not GB/s).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from remote_store.backends.base import ByteStore
+
+
+class LinkEmulator(ByteStore):
+    def __init__(self, inner: ByteStore, bandwidth_bytes_s: float, latency_s: float = 0.0,
+                 ratio: float | None = None):
+        if bandwidth_bytes_s <= 0:
+            raise ValueError(f"link bandwidth must be > 0, got {bandwidth_bytes_s}")
+        self.inner = inner
+        self.url = inner.url
+        self.bandwidth_bytes_s = bandwidth_bytes_s
+        self.latency_s = latency_s
+        self.ratio = ratio  # device-memory bandwidth / link bandwidth, when set that way
+        self._busy_until = 0.0
+        self._lock = threading.Lock()
+        self.bytes_moved = 0
+        self.transfer_s = 0.0  # emulated link time spent
+
+    def _transfer(self, nbytes: int, started: float) -> None:
+        duration = self.latency_s + nbytes / self.bandwidth_bytes_s
+        with self._lock:
+            begin = max(started, self._busy_until)
+            end = begin + duration
+            self._busy_until = end
+            self.bytes_moved += nbytes
+            self.transfer_s += duration
+        delay = end - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+    def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None) -> None:
+        started = time.monotonic()
+        self.inner.put_many(items, ttl_s)
+        self._transfer(sum(len(v) for _, v in items), started)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        started = time.monotonic()
+        out = self.inner.get_many(keys)
+        self._transfer(sum(len(v) for v in out if v is not None), started)
+        return out
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.exists_many(keys)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        return self.inner.delete_many(keys)
+
+    def pin(self, keys: Sequence[str]) -> None:
+        self.inner.pin(keys)
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        self.inner.unpin(keys)
+
+    def stats(self) -> dict[str, float]:
+        return {**self.inner.stats(), "link_bandwidth_bytes_s": self.bandwidth_bytes_s,
+                "link_bytes_moved": self.bytes_moved, "link_transfer_s": self.transfer_s,
+                **({"link_ratio": self.ratio} if self.ratio else {})}
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,60 @@
+"""Shared fixtures: the tiny random Llama (fast), SmolLM2 (real_model), and an exactness report.
+
+Every test that claims identical output records its max logit difference here; the session prints
+them and writes ``.pytest-results/exactness.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("VERICACHE_TEST_THREADS", "2")))
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = REPO / "benchmarks" / "prompts"
+_EXACTNESS: list[dict] = []
+
+
+@pytest.fixture(scope="session")
+def tiny_runner():
+    from vericache_sglang.engine.model import tiny_llama
+    from vericache_sglang.engine.runner import ModelRunner
+
+    return ModelRunner(tiny_llama())
+
+
+@pytest.fixture(scope="session")
+def real_engine():
+    from vericache_sglang.engine.engine import Engine
+
+    return Engine("smollm2")
+
+
+@pytest.fixture
+def exactness():
+    """Record one identity check: ``exactness(name, comparison_dict)``."""
+
+    def record(name: str, cmp: dict, **extra: object) -> None:
+        _EXACTNESS.append({"check": name, **cmp, **extra})
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _EXACTNESS:
+        return
+    terminalreporter.section("exactness (VeriCache vs full-KV decoding)")
+    for row in _EXACTNESS:
+        diff = row.get("max_logit_abs_diff")
+        terminalreporter.write_line(
+            f"{row['check']:<60} identical={row['identical']} tokens={row['compared_tokens']} "
+            f"max|dlogit|={'-' if diff is None else f'{diff:.2e}'}"
+        )
+    out = REPO / ".pytest-results"
+    out.mkdir(exist_ok=True)
+    (out / "exactness.json").write_text(json.dumps(_EXACTNESS, indent=2, default=str))

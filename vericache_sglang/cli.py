@@ -1,0 +1,161 @@
+"""``vericache``: generate, compressors, model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from vericache_sglang.core.compress import SpecError
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="decode one prompt with VeriCache (and optionally the baselines)")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default), 'tiny', or a local HF model dir")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the user message (the chat template is applied)")
+    src.add_argument("--prompt-file", type=Path, help="a file holding the user message")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--compressor", default="snapkv:ratio=0.25", help="compressor spec, e.g. kivi:bits=2")
+    p.add_argument("--horizon", type=int, default=16, help="drafted tokens per verification (x)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verify", choices=("exact", "rejection"), default="exact",
+                   help="sampling acceptance: exact (identical to full-KV sampling with the same seed) or "
+                        "speculative rejection sampling (lossless in distribution)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--logprobs", action="store_true", help="report the verifier's logprob of each token")
+    p.add_argument("--store", default="memory://", help="full-KV store URL (default: embedded memory://)")
+    p.add_argument("--on-store-error", choices=("recompute", "fail"), default="recompute")
+    p.add_argument("--check", action="store_true", help="also run full-KV decoding; report identity")
+    p.add_argument("--lossy", action="store_true", help="also run lossy decoding with the compressed KV alone")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from vericache_sglang.core.compress import parse_spec
+    from vericache_sglang.core.sampling import SamplingParams
+    from vericache_sglang.engine.engine import Engine, compare
+    from vericache_sglang.engine.report import repetition, summary_lines
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    compressor = parse_spec(args.compressor)  # a bad spec fails before the model loads
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    progress = not args.quiet
+    engine = Engine(args.model, store=args.store, device=args.device, dtype=getattr(torch, args.dtype),
+                    progress=progress)
+    tokens = engine.encode(prompt, chat=not args.raw)
+    cfg = engine.config(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
+                        horizon=args.horizon, verify=args.verify, logprobs=args.logprobs,
+                        keep_logits=args.check, on_store_error=args.on_store_error)
+    pre = engine.prefill(tokens)
+    result = engine.generate(pre, "vericache", compressor, cfg)
+    report: dict[str, object] = {
+        "model": engine.loaded.model_id,
+        "compressor": compressor.spec,
+        "horizon": args.horizon,
+        "prompt_tokens": len(tokens),
+        "prefix_tokens_reused": pre.reused_tokens,
+        "prefill_s": round(pre.seconds, 3),
+        "identical": None,
+        "max_logit_abs_diff": None,
+        "generated_tokens": len(result.tokens),
+        "finish_reason": result.finish_reason,
+        "mean_accepted_length": round(result.stats.mean_accepted_length, 3),
+        "acceptance_rate": round(result.stats.acceptance_rate, 4),
+        "verify_passes": result.stats.verify_passes,
+        "tokens_per_second": round(result.tokens_per_second, 3),
+        "full_kv_bytes": result.stats.full_kv_bytes,
+        "compressed_kv_bytes": result.stats.compressed_kv_bytes,
+        "fetch_bytes_per_verify": (round(sum(result.stats.fetch_bytes) / len(result.stats.fetch_bytes))
+                                   if result.stats.fetch_bytes else 0),
+        "fetch_wait_s": round(result.stats.fetch_wait_s, 3),
+        "store_fallbacks": result.stats.store_fallbacks,
+        "repetition": round(repetition(result.tokens), 4),
+        "text": result.text,
+    }
+    if args.logprobs:
+        report["logprobs"] = result.logprobs
+    if args.check:
+        full = engine.generate(pre, "full", cfg=cfg)
+        cmp = compare(full, result)
+        report.update(identical=cmp["identical"], first_mismatch=cmp["first_mismatch"],
+                      max_logit_abs_diff=cmp["max_logit_abs_diff"])
+        report["full"] = {"tokens_per_second": round(full.tokens_per_second, 3), "text": full.text}
+    if args.lossy:
+        lossy = engine.generate(pre, "lossy", compressor, cfg)
+        entry: dict[str, object] = {"tokens_per_second": round(lossy.tokens_per_second, 3), "text": lossy.text}
+        if args.check:
+            cmp = compare(full, lossy)
+            entry.update(identical=cmp["identical"], first_mismatch=cmp["first_mismatch"])
+        report["lossy"] = entry
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n".join(summary_lines(report)))
+    return 0 if report["identical"] in (None, True) else 1
+
+
+def cmd_compressors(args: argparse.Namespace) -> int:
+    from vericache_sglang.core.compress import describe_compressors
+
+    table = describe_compressors()
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return 0
+    for c in table:
+        params = ", ".join(f"{k}={v['default']}" for k, v in c["parameters"].items())
+        print(f"{c['name']:<14} {c['kind']:<13} {params}\n{'':<14} {c['summary']}")
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from vericache_sglang.engine.model import load_model, prepare_smollm2
+
+    t = time.monotonic()
+    path = prepare_smollm2(progress=True)
+    loaded = load_model("smollm2", progress=False)
+    print(f"{loaded.model_id} ready at {path} (loaded in {time.monotonic() - t:.1f} s)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    p = sub.add_parser("compressors", help="list the compressors, their parameters and defaults")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compressors)
+    p = sub.add_parser("model", help="prepare the default model's safetensors cache (SmolLM2-135M-Instruct)")
+    p.set_defaults(func=cmd_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from remote_store import StoreError
+    from vericache_sglang.engine.model import ModelError
+
+    try:
+        return args.func(args)
+    except (SpecError, ModelError, StoreError, ValueError, OSError) as e:
+        print(f"vericache: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""KIVI (Liu et al., 2024): asymmetric 2/4-bit KV quantization, keys per channel, values per token.
+
+Keys are quantized per channel over groups of ``group`` consecutive tokens; values per token over
+groups of ``group`` channels. The newest tokens stay in full precision in a residual of fewer than
+``residual`` tokens; when it reaches ``residual`` tokens it is quantized as a block (KIVI flushes
+keys this way; doing the same for values only changes which tokens sit in the residual).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vericache_sglang.core.compress.base import Compressor, Observation
+from vericache_sglang.core.compress.quant import dequantize, pack, quantize, unpack
+from vericache_sglang.core.kv import CompressedLayer
+
+
+@dataclass
+class KIVIParams:
+    bits: int = 2
+    group: int = 32
+    residual: int = 128
+
+
+class QuantBlocks:
+    """Packed codes with their scales and minima, appended block by block along the token dim."""
+
+    def __init__(self, bits: int):
+        self.bits = bits
+        self.codes: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor] = []
+        self.mins: list[torch.Tensor] = []
+
+    def add(self, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> None:
+        self.codes.append(pack(codes, self.bits))
+        self.scales.append(scale)
+        self.mins.append(mn)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.codes, *self.scales, *self.mins))
+
+
+class KIVILayer(CompressedLayer):
+    def __init__(self, bits: int, group: int, dtype: torch.dtype, k_res: torch.Tensor, v_res: torch.Tensor):
+        self.bits, self.group, self.dtype = bits, group, dtype
+        self.k_blocks = QuantBlocks(bits)
+        self.v_blocks = QuantBlocks(bits)
+        self.quantized_tokens = 0
+        self.k_res, self.v_res = k_res, v_res  # full-precision residual
+
+    def quantize_block(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize ``k, v`` (``[heads, n, dim]``, ``n`` a multiple of ``group``) and append them."""
+        h, n, d = k.shape
+        g = self.group
+        kq, ks, km = quantize(k.reshape(h, n // g, g, d), dim=2, bits=self.bits)  # per channel
+        self.k_blocks.add(kq.reshape(h, n, d), ks, km)
+        vq, vs, vm = quantize(v.reshape(h, n, d // g, g), dim=3, bits=self.bits)  # per token
+        self.v_blocks.add(vq.reshape(h, n, d), vs, vm)
+        self.quantized_tokens += n
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_blocks.nbytes + self.v_blocks.nbytes + self.k_res.nbytes + self.v_res.nbytes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.quantized_tokens + self.k_res.shape[1]
+
+    def dequantized_keys(self) -> torch.Tensor:
+        parts = []
+        for packed, scale, mn in zip(self.k_blocks.codes, self.k_blocks.scales, self.k_blocks.mins, strict=True):
+            codes = unpack(packed, self.bits)
+            h, n, d = codes.shape
+            parts.append(dequantize(codes.view(h, n // self.group, self.group, d), scale, mn,
+                                    self.dtype).view(h, n, d))
+        return torch.cat([*parts, self.k_res], dim=1)
+
+    def dequantized_values(self) -> torch.Tensor:
+        parts = []
+        for packed, scale, mn in zip(self.v_blocks.codes, self.v_blocks.scales, self.v_blocks.mins, strict=True):
+            codes = unpack(packed, self.bits)
+            h, n, d = codes.shape
+            parts.append(dequantize(codes.view(h, n, d // self.group, self.group), scale, mn,
+                                    self.dtype).view(h, n, d))
+        return torch.cat([*parts, self.v_res], dim=1)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dequantized_keys(), self.dequantized_values()
+
+    def exact_positions(self) -> torch.Tensor:
+        # The residual is exact; quantized tokens are not.
+        h, r = self.k_res.shape[0], self.k_res.shape[1]
+        pos = torch.arange(self.quantized_tokens, self.quantized_tokens + r, dtype=torch.int32)
+        return pos.expand(h, -1)
+
+
+class KIVI(Compressor):
+    name = "kivi"
+    kind = "quantization"
+    Params = KIVIParams
+    summary = "2/4-bit asymmetric; keys per channel, values per token; full-precision residual"
+
+    def validate(self) -> None:
+        p = self.params
+        if p.bits not in (2, 4):
+            raise ValueError(f"kivi: bits must be 2 or 4, got {p.bits}")
+        if p.group < 1 or p.residual < p.group or p.residual % p.group:
+            raise ValueError(
+                f"kivi: residual ({p.residual}) must be a positive multiple of group ({p.group})"
+            )
+
+    def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> KIVILayer:
+        p = self.params
+        if k.shape[2] % p.group:
+            raise ValueError(f"kivi: head_dim {k.shape[2]} is not a multiple of group {p.group}")
+        n = k.shape[1]
+        nq = n - n % p.residual
+        layer = KIVILayer(p.bits, p.group, k.dtype, k[:, nq:].clone(), v[:, nq:].clone())
+        if nq:
+            layer.quantize_block(k[:, :nq], v[:, :nq])
+        return layer
+
+    def update_layer(self, layer, k, v, positions, q) -> KIVILayer:
+        assert isinstance(layer, KIVILayer)
+        k_res = torch.cat([layer.k_res, k], dim=1)
+        v_res = torch.cat([layer.v_res, v], dim=1)
+        r = self.params.residual
+        nq = k_res.shape[1] - k_res.shape[1] % r
+        if nq:
+            layer.quantize_block(k_res[:, :nq], v_res[:, :nq])
+        layer.k_res, layer.v_res = k_res[:, nq:].clone(), v_res[:, nq:].clone()
+        return layer

@@ -1,0 +1,52 @@
+"""Asymmetric integer quantization with bit packing: the torch reference the Triton kernels match.
+
+Codes are packed little-end-first along the last dimension (``8 // bits`` codes per byte), and
+scales and minima are kept in float16, so the byte sizes reported are the bytes really held.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+SCALE_DTYPE = torch.float16
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes in ``[0, 2**bits)`` along the last dim (its size a multiple of 8 // bits)."""
+    per_byte = 8 // bits
+    if codes.shape[-1] % per_byte:
+        raise ValueError(f"last dim {codes.shape[-1]} is not a multiple of {per_byte}")
+    c = codes.to(torch.uint8).view(*codes.shape[:-1], -1, per_byte)
+    out = torch.zeros(c.shape[:-1], dtype=torch.uint8, device=codes.device)
+    for i in range(per_byte):
+        out |= c[..., i] << (bits * i)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    parts = [(packed >> (bits * i)) & mask for i in range(per_byte)]
+    return torch.stack(parts, dim=-1).view(*packed.shape[:-1], -1)
+
+
+def quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` with one (scale, min) per slice reduced along ``dim``.
+
+    Returns unpacked codes (uint8, same shape as ``x``) and float16 scale and min with ``dim``
+    kept as size 1. Codes are computed against the float16-rounded scale and min, so
+    ``dequantize`` reproduces exactly what was meant.
+    """
+    levels = (1 << bits) - 1
+    xf = x.float()
+    mn = xf.amin(dim=dim, keepdim=True).to(SCALE_DTYPE)
+    mx = xf.amax(dim=dim, keepdim=True)
+    scale = ((mx - mn.float()) / levels).to(SCALE_DTYPE)
+    safe = torch.where(scale.float() > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    codes = ((xf - mn.float()) / safe).round_().clamp_(0, levels).to(torch.uint8)
+    return codes, scale, mn
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale.float() + mn.float()).to(dtype)

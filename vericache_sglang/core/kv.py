@@ -1,0 +1,141 @@
+"""KV layout and the two KV containers: the exact full KV and a compressor's compressed KV.
+
+Tensors are per request and per layer, shaped ``[kv_heads, tokens, head_dim]``; keys are stored
+after RoPE, so a kept token keeps its original rotation wherever it sits in a compressed cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {dtype}; supported: {sorted(DTYPES_BY_NAME)}") from None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token's KV looks like for one model: enough to size, key and check it."""
+
+    model_id: str  # model name plus a digest of its weights
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.bytes_per_token_layer
+
+    def describe(self) -> str:
+        return (
+            f"{self.model_id}|L{self.num_layers}|H{self.num_kv_heads}|D{self.head_dim}|"
+            f"{dtype_name(self.dtype)}"
+        )
+
+    def digest(self) -> str:
+        """A short stable digest of the layout (model identity included), for store keys."""
+        return hashlib.blake2b(self.describe().encode(), digest_size=8).hexdigest()
+
+    def check_layer(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        for name, t in (("keys", k), ("values", v)):
+            if t.dim() != 3 or t.shape[0] != self.num_kv_heads or t.shape[2] != self.head_dim:
+                raise ValueError(
+                    f"{name} of shape {tuple(t.shape)} do not match the layout "
+                    f"[{self.num_kv_heads}, tokens, {self.head_dim}]"
+                )
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name} dtype {t.dtype} does not match the layout dtype {self.dtype}")
+        if k.shape != v.shape:
+            raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} differ in shape")
+
+
+class FullKV:
+    """The exact KV of a token span, all layers. Lives off the accelerator (store) or transiently on it."""
+
+    def __init__(self, layout: KVLayout, layers: list[tuple[torch.Tensor, torch.Tensor]]):
+        if len(layers) != layout.num_layers:
+            raise ValueError(f"{len(layers)} layers given, layout has {layout.num_layers}")
+        lengths = set()
+        for k, v in layers:
+            layout.check_layer(k, v)
+            lengths.add(k.shape[1])
+        if len(lengths) > 1:
+            raise ValueError(f"layers hold different token counts: {sorted(lengths)}")
+        self.layout = layout
+        self.layers = layers
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layers[0][0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+    def slice(self, start: int, end: int) -> FullKV:
+        return FullKV(self.layout, [(k[:, start:end], v[:, start:end]) for k, v in self.layers])
+
+
+class CompressedLayer(ABC):
+    """One layer of a compressed KV, in whatever form its compressor keeps it."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """True bytes held on the device for this layer (packed codes, scales, indices)."""
+
+    @property
+    @abstractmethod
+    def num_tokens(self) -> int:
+        """Tokens each KV head attends to (the same for every head of the layer)."""
+
+    @abstractmethod
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[kv_heads, num_tokens, head_dim]`` in the model dtype, for attention."""
+
+    def exact_positions(self) -> torch.Tensor | None:
+        """``[kv_heads, n]`` positions whose KV this layer holds at full precision, or None.
+
+        What the device holds exactly need not cross the link again for verification.
+        """
+        return None
+
+
+@dataclass
+class CompressedKV:
+    """A request's compressed KV: what drafting attends to, kept on the accelerator."""
+
+    layout: KVLayout
+    spec: str
+    layers: list[CompressedLayer]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def tokens_per_layer(self) -> list[int]:
+        return [layer.num_tokens for layer in self.layers]

@@ -1,0 +1,96 @@
+"""The reference engine's Python API: a model, its runner and its full-KV store, behind one object."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from remote_store import open_store
+from remote_store.fullkv import DEFAULT_CHUNK_TOKENS, FullKVStore
+from vericache_sglang.core.compress import Compressor, parse_spec
+from vericache_sglang.engine.decode import (
+    GenerationConfig,
+    GenerationResult,
+    Prefill,
+    generate_full,
+    generate_lossy,
+    generate_vericache,
+    prefill,
+)
+from vericache_sglang.engine.model import DEFAULT_MODEL, load_model
+from vericache_sglang.engine.runner import ModelRunner
+
+METHODS = ("vericache", "full", "lossy")
+
+
+class Engine:
+    def __init__(self, model: str = DEFAULT_MODEL, *, store: str = "memory://", device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, namespace: str = "default",
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, progress: bool = False):
+        self.loaded = load_model(model, device=device, dtype=dtype, progress=progress)
+        self.runner = ModelRunner(self.loaded)
+        self.tokenizer = self.loaded.tokenizer
+        self.store = FullKVStore(open_store(store), self.runner.layout, namespace, chunk_tokens)
+        self.progress = progress
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = getattr(self.loaded.model.generation_config, "eos_token_id", None)
+        if ids is None and self.tokenizer is not None:
+            ids = self.tokenizer.eos_token_id
+        if ids is None:
+            return ()
+        return tuple(ids) if isinstance(ids, list | tuple) else (int(ids),)
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.loaded.name} has no tokenizer: pass token ids")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                return_dict=True)["input_ids"])
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def prefill(self, tokens: Sequence[int], reuse_prefix: bool = True) -> Prefill:
+        """Exact prefill; a prefix whose full KV is already in the store is loaded, not computed."""
+        prefix = None
+        if reuse_prefix:
+            found = self.store.longest_prefix(tokens)
+            if found:
+                prefix = self.store.load_prefix(tokens, found)
+        return prefill(self.runner, tokens, progress=self.progress, prefix=prefix)
+
+    def config(self, **kwargs: object) -> GenerationConfig:
+        """A generation config with this model's EOS tokens filled in."""
+        kwargs.setdefault("eos_token_ids", self.eos_token_ids)
+        return GenerationConfig(**kwargs)
+
+    def generate(self, pre: Prefill, method: str = "vericache", compressor: str | Compressor = "snapkv",
+                 cfg: GenerationConfig | None = None, **kwargs: object) -> GenerationResult:
+        cfg = cfg or self.config()
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choices: {', '.join(METHODS)}")
+        comp = parse_spec(compressor) if isinstance(compressor, str) else compressor
+        if method == "full":
+            return generate_full(self.runner, pre, cfg, self.tokenizer, **kwargs)
+        if method == "lossy":
+            return generate_lossy(self.runner, pre, comp, cfg, self.tokenizer, **kwargs)
+        return generate_vericache(self.runner, pre, comp, self.store, cfg, self.tokenizer,
+                                  progress=self.progress, **kwargs)
+
+
+def compare(reference: GenerationResult, result: GenerationResult) -> dict[str, object]:
+    """Token-by-token comparison against the reference, with the largest logit difference seen
+    where both decoded the same context (up to and including the first mismatch)."""
+    n = min(len(reference.tokens), len(result.tokens))
+    mismatch = next((i for i in range(n) if reference.tokens[i] != result.tokens[i]), None)
+    identical = mismatch is None and len(reference.tokens) == len(result.tokens)
+    diff = None
+    if reference.logits is not None and result.logits is not None:
+        upto = n if mismatch is None else mismatch + 1
+        diffs = [float((a - b).abs().max()) for a, b in zip(reference.logits[:upto], result.logits[:upto],
+                                                            strict=True)]
+        diff = max(diffs) if diffs else 0.0
+    return {"identical": identical, "first_mismatch": mismatch, "compared_tokens": n,
+            "max_logit_abs_diff": diff}

@@ -1,0 +1,88 @@
+"""Full-KV fetches for verification: on a background thread, from the start of drafting.
+
+The thread first writes the previous verification's committed KV (so reads see it), then fetches
+the request's full KV layer by layer; the verify pass waits on each layer as it needs it, so it
+computes layer 0 while later layers are still on the link.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from remote_store.backends.base import StoreError
+from remote_store.fullkv import RequestKV
+from vericache_sglang.core.kv import FullKV
+
+
+class FetchError(StoreError):
+    """A full-KV fetch for verification failed; no token of that verification is committed."""
+
+
+class FullKVFetch:
+    def __init__(self, request: RequestKV, upto: int, num_layers: int,
+                 pending_write: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+                 timeout_s: float = 120.0):
+        self.request = request
+        self.upto = upto
+        self.timeout_s = timeout_s
+        self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self._ready = [threading.Event() for _ in range(num_layers)]
+        self.arrival: list[float | None] = [None] * num_layers
+        self.wait_s = 0.0  # time the verify pass spent waiting for layers
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self._pending = pending_write
+        self._thread = threading.Thread(target=self._run, name="vericache-fetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if self._pending is not None:
+                self.request.write(*self._pending)
+            for layer, k, v in self.request.fetch_layers(self.upto):
+                self._layers[layer] = (k, v)
+                self.arrival[layer] = time.monotonic()
+                self._ready[layer].set()
+        except BaseException as e:  # surfaced to the verify pass by wait_layer
+            self.error = e
+        finally:
+            self.finished = time.monotonic()
+            for event in self._ready:
+                event.set()
+
+    def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = time.monotonic()
+        if not self._ready[layer].wait(self.timeout_s):
+            raise FetchError(f"full KV of layer {layer} did not arrive within {self.timeout_s:.0f} s")
+        self.wait_s += time.monotonic() - t
+        kv = self._layers[layer]
+        if kv is None:
+            raise FetchError(f"full-KV fetch failed at layer {layer}: {self.error}") from self.error
+        return kv
+
+    def join(self) -> None:
+        self._thread.join(self.timeout_s)
+
+    @property
+    def bytes_fetched(self) -> int:
+        return self.request.stats.last_fetch_bytes
+
+
+class ResidentFeed:
+    """A full KV already in memory, served like a fetch (the recompute fallback)."""
+
+    def __init__(self, full: FullKV):
+        self.full = full
+        self.wait_s = 0.0
+        self.bytes_fetched = 0
+        self.arrival: list[float | None] = []
+
+    def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.full.layers[layer]
+
+    def join(self) -> None:
+        pass
