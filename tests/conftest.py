@@ -11,6 +11,11 @@ import os
 from pathlib import Path
 
 import pytest
+
+# Triton kernels run in the interpreter on a machine without a GPU; set before triton is imported.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import torch
 
 torch.set_num_threads(int(os.environ.get("VERICACHE_TEST_THREADS", "2")))

@@ -130,7 +130,7 @@ def test_kivi_sizes_and_residual(bits):
     scales = 2 * 2 * (256 // 32 * 64 + 256 * 64 // 32) * 2
     residual = 2 * 2 * 44 * 64 * 4
     assert layer.nbytes == codes + scales + residual
-    k, v = layer.read()
+    k, _ = layer.read()
     assert k.shape == (2, 300, 64)
     assert torch.equal(k[:, 256:], kv.layers[0][0][:, 256:])  # the residual is exact
     assert (k[:, :256] - kv.layers[0][0][:, :256]).abs().max() > 0  # the rest is not

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from faults import FaultInjectingStore
+
 from remote_store.backends.memory import MemoryStore
 from remote_store.fullkv import FullKVStore
 from remote_store.link import LinkEmulator
@@ -19,7 +19,7 @@ from vericache_sglang.engine.decode import (
 from vericache_sglang.engine.engine import compare
 from vericache_sglang.engine.fetch import FetchError
 from vericache_sglang.engine.model import ModelError, load_model
-from vericache_sglang.engine.runner import ModelRunner, ResidentKV, Segment
+from vericache_sglang.engine.runner import ResidentKV, Segment
 
 COMPRESSORS = ["snapkv:ratio=0.25,window=16", "kivi:bits=2,group=16,residual=32", "streamingllm:sink=4,window=32"]
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7)
@@ -186,7 +186,7 @@ def test_bad_inputs(tiny_runner, tmp_path):
     with pytest.raises(ModelError, match="no such directory"):
         load_model(str(tmp_path / "nope"))
     (tmp_path / "m").mkdir()
-    with pytest.raises(ModelError, match="config.json"):
+    with pytest.raises(ModelError, match=r"config\.json"):
         load_model(str(tmp_path / "m"))
     (tmp_path / "m" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ModelError, match="no weight files"):

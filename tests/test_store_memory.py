@@ -59,8 +59,8 @@ def test_superseded_tail_is_deleted_and_release_keeps_shared():
     req.release()
     assert backend.stats()["keys"] == 2 * 3  # the two shared prompt chunks, all layers
     assert store.longest_prefix(list(range(40))) == 32
-    assert store.longest_prefix(list(range(40)) + [1, 2]) == 32
-    assert store.longest_prefix([9] + list(range(1, 40))) == 0  # a different first token
+    assert store.longest_prefix([*range(40), 1, 2]) == 32
+    assert store.longest_prefix([9, *range(1, 40)]) == 0  # a different first token
 
 
 def test_prefix_reuse_loads_exact_kv_and_skips_existing_writes():

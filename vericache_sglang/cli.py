@@ -47,13 +47,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from vericache_sglang.core.compress import parse_spec
     from vericache_sglang.core.sampling import SamplingParams
+    from vericache_sglang.engine.decode import GenerationConfig
     from vericache_sglang.engine.engine import Engine, compare
     from vericache_sglang.engine.report import repetition, summary_lines
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    compressor = parse_spec(args.compressor)  # a bad spec fails before the model loads
+    # Bad arguments fail before the model loads.
+    compressor = parse_spec(args.compressor)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    GenerationConfig(max_new_tokens=args.max_new_tokens, horizon=args.horizon)
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     progress = not args.quiet
     engine = Engine(args.model, store=args.store, device=args.device, dtype=getattr(torch, args.dtype),

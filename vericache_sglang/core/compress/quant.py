@@ -25,10 +25,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    per_byte = 8 // bits
-    mask = (1 << bits) - 1
-    parts = [(packed >> (bits * i)) & mask for i in range(per_byte)]
-    return torch.stack(parts, dim=-1).view(*packed.shape[:-1], -1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.view(*packed.shape[:-1], -1)
 
 
 def quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

