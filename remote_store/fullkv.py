@@ -211,9 +211,9 @@ class RequestKV:
         refs = [r for r in refs if r.start < upto]
         owners = [self._owner(r) for r in refs]
         total = 0
-        for layer in range(store.layout.num_layers) if layers is None else layers:
-            keys = [store.key(r, layer, o) for r, o in zip(refs, owners, strict=True)]
-            records = store.backend.get_many(keys)
+        layers = list(range(store.layout.num_layers) if layers is None else layers)
+        groups = [[store.key(r, layer, o) for r, o in zip(refs, owners, strict=True)] for layer in layers]
+        for layer, records in zip(layers, store.backend.stream_get(groups), strict=True):
             total += sum(len(r) for r in records if r is not None)
             k, v = store._join(refs, layer, records, owners)
             yield layer, k[:, :upto], v[:, :upto]

@@ -65,7 +65,7 @@ class LinkEmulator(ByteStore):
     def unpin(self, keys: Sequence[str]) -> None:
         self.inner.unpin(keys)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, object]:
         return {**self.inner.stats(), "link_bandwidth_bytes_s": self.bandwidth_bytes_s,
                 "link_bytes_moved": self.bytes_moved, "link_transfer_s": self.transfer_s,
                 **({"link_ratio": self.ratio} if self.ratio else {})}

@@ -63,3 +63,41 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     out = REPO / ".pytest-results"
     out.mkdir(exist_ok=True)
     (out / "exactness.json").write_text(json.dumps(_EXACTNESS, indent=2, default=str))
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real Redis: CI's (VERICACHE_TEST_REDIS_URL) or one started for this session."""
+    from services import RedisServer, env_url, redis_available
+
+    url = env_url("VERICACHE_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    if not redis_available():
+        pytest.skip("redis-server is not installed (CI installs it; see .ci/run)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def store_url(tmp_path_factory):
+    """Our gRPC store server: CI's (VERICACHE_TEST_STORE_URL) or one started for this session."""
+    from services import StoreServer, env_url
+
+    url = env_url("VERICACHE_TEST_STORE_URL")
+    if url:
+        yield url
+        return
+    server = StoreServer(tmp_path_factory.mktemp("store"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "redis", "grpc"])
+def backend_url(request):
+    """Each backend in turn, as a store URL."""
+    if request.param == "memory":
+        return "memory://"
+    return request.getfixturevalue("redis_url" if request.param == "redis" else "store_url")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
 class StoreError(RuntimeError):
@@ -27,6 +27,14 @@ class ByteStore(ABC):
     def delete_many(self, keys: Sequence[str]) -> int:
         """Delete; return how many existed."""
 
+    def stream_get(self, groups: Sequence[Sequence[str]]) -> Iterator[list[bytes | None]]:
+        """Records group by group (one group per layer), each yielded as soon as it is complete.
+
+        A backend that can stream (gRPC) keeps one request in flight for all groups.
+        """
+        for group in groups:
+            yield self.get_many(group)
+
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [r is not None for r in self.get_many(keys)]
 
@@ -37,7 +45,7 @@ class ByteStore(ABC):
         """Release pins taken by ``pin``."""
 
     @abstractmethod
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, object]:
         """At least: keys, bytes, capacity_bytes (0: unbounded), hits, misses, evictions."""
 
     def close(self) -> None:

@@ -116,7 +116,7 @@ class MemoryStore(ByteStore):
             self._drop(key)
         self._counters["expired"] += len(expired)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, object]:
         with self._lock:
             return {"keys": len(self._data), "bytes": self._bytes, "capacity_bytes": self.capacity_bytes,
                     "pinned_keys": len(self._pins), **self._counters}

@@ -1,0 +1,109 @@
+"""``grpc://`` and ``grpcs://``: a client of our store server (``remote_store.server``).
+
+URL: ``grpc[s]://[:TOKEN@]HOST:PORT[?timeout_s=T&ca=CA_PEM&server_name=NAME]``. The token comes from the
+URL's password part or ``VERICACHE_STORE_TOKEN``; for ``grpcs`` the CA bundle from ``ca`` or
+``VERICACHE_STORE_CA`` (the system roots otherwise). A layer-grouped get is one server-streaming
+call: each layer's records are yielded as soon as they have arrived.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import grpc
+
+from remote_store.backends.base import ByteStore, StoreError
+from remote_store.proto import MAX_MESSAGE_BYTES, store_pb2, store_pb2_grpc
+
+_PUT_BATCH_BYTES = 64 << 20
+
+
+class GrpcStore(ByteStore):
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        if parts.scheme not in ("grpc", "grpcs") or not parts.hostname or not parts.port:
+            raise ValueError(f"bad store URL {url!r}: expected grpc[s]://[:TOKEN@]HOST:PORT")
+        query = dict(parse_qsl(parts.query))
+        token = unquote(parts.password) if parts.password else os.environ.get("VERICACHE_STORE_TOKEN")
+        self.url = f"{parts.scheme}://{parts.hostname}:{parts.port}"
+        self.timeout_s = float(query.get("timeout_s", 60))
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        target = f"{parts.hostname}:{parts.port}"
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        if parts.scheme == "grpcs":
+            ca = query.get("ca") or os.environ.get("VERICACHE_STORE_CA")
+            creds = grpc.ssl_channel_credentials(open(ca, "rb").read() if ca else None)
+            if "server_name" in query:
+                options.append(("grpc.ssl_target_name_override", query["server_name"]))
+            self.channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        self.stub = store_pb2_grpc.KVStoreStub(self.channel)
+
+    def _call(self, what: str, method, request):
+        try:
+            return method(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise StoreError(f"store {what} failed at {self.url}: {e.code().name}: {e.details()}") from e
+
+    def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None) -> None:
+        batch, size = [], 0
+        for key, value in items:
+            batch.append(store_pb2.Item(key=key, value=value))
+            size += len(value)
+            if size >= _PUT_BATCH_BYTES:
+                self._call("put", self.stub.Put, store_pb2.PutRequest(items=batch, ttl_s=ttl_s or 0))
+                batch, size = [], 0
+        if batch:
+            self._call("put", self.stub.Put, store_pb2.PutRequest(items=batch, ttl_s=ttl_s or 0))
+
+    def stream_get(self, groups: Sequence[Sequence[str]]) -> Iterator[list[bytes | None]]:
+        request = store_pb2.GetRequest(groups=[store_pb2.KeyGroup(keys=list(g)) for g in groups])
+        pending = [list(g) for g in groups]
+        current: list[bytes | None] = []
+        group = 0
+        try:
+            stream = self.stub.Get(request, timeout=self.timeout_s, metadata=self._metadata)
+            while group < len(pending) and not pending[group]:  # empty groups have no records
+                yield []
+                group += 1
+            for record in stream:
+                if record.group != group or record.index != len(current):
+                    raise StoreError(f"store stream out of order at group {record.group} index {record.index}")
+                current.append(record.value if record.found else None)
+                if len(current) == len(pending[group]):
+                    yield current
+                    current, group = [], group + 1
+                    while group < len(pending) and not pending[group]:
+                        yield []
+                        group += 1
+        except grpc.RpcError as e:
+            raise StoreError(f"store get failed at {self.url}: {e.code().name}: {e.details()}") from e
+        if group != len(pending):
+            raise StoreError(f"store stream ended after {group} of {len(pending)} groups")
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return list(self.stream_get([keys]))[0] if keys else []
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return list(self._call("exists", self.stub.Exists, store_pb2.KeysRequest(keys=list(keys))).exists)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        return self._call("delete", self.stub.Delete, store_pb2.KeysRequest(keys=list(keys))).deleted
+
+    def pin(self, keys: Sequence[str]) -> None:
+        self._call("pin", self.stub.Pin, store_pb2.KeysRequest(keys=list(keys)))
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        self._call("unpin", self.stub.Unpin, store_pb2.KeysRequest(keys=list(keys)))
+
+    def stats(self) -> dict[str, object]:
+        reply = self._call("stats", self.stub.Stats, store_pb2.Empty())
+        return {**{k: (int(v) if float(v).is_integer() else v) for k, v in reply.values.items()},
+                "eviction_policy": reply.eviction_policy}
+
+    def close(self) -> None:
+        self.channel.close()
