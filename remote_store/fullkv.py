@@ -8,6 +8,7 @@ checked on read (layout, token-prefix digest, layer, span, checksum); a failed c
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 import warnings
@@ -20,6 +21,8 @@ from remote_store import codec
 from remote_store.backends.base import ByteStore, StoreError
 from remote_store.keys import KEY_PREFIX, ChunkRef, chunk_refs, salt_digest
 from vericache_sglang.core.kv import FullKV, KVLayout, dtype_name
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = 64
 DEFAULT_DECODE_TTL_S = 3600.0
@@ -223,9 +226,17 @@ class RequestKV:
         self.stats.fetch_bytes_per_verify.append(total)
 
     def release(self, delete_private: bool = True) -> None:
-        """Unpin the request's chunks; delete its private ones (shared ones stay cached)."""
+        """Unpin the request's chunks; delete its private ones (shared ones stay cached).
+
+        Best effort: a store that is down by now cannot fail a request that already finished; its
+        private chunks then expire with their TTL.
+        """
         with self._lock:
-            self.store.backend.unpin(self._pinned)
-            if delete_private and self._private:
-                self.store.backend.delete_many(self._private)
+            pinned, private = self._pinned, self._private
             self._pinned, self._private = [], []
+            try:
+                self.store.backend.unpin(pinned)
+                if delete_private and private:
+                    self.store.backend.delete_many(private)
+            except StoreError as e:
+                log.warning("could not release request %s in the store: %s", self.request_id, e)

@@ -14,6 +14,16 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "setup: Python 3.11 is required" >&2; exit 1; }
 
+# redis-server for the Redis backend and its tests (Debian's package; needs root).
+if ! command -v redis-server >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing redis-server" >&2
+    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server) >/dev/null
+  else
+    echo "setup: redis-server is not installed; the Redis tests will be skipped" >&2
+  fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PY --version)" >&2
   "$PY" -m venv .venv

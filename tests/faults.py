@@ -1,32 +1,28 @@
-"""Fault injection around a real byte store (not a mock: every call reaches the real backend
-until the injected failure)."""
+"""Fault injection around a real byte store. Not a mock: every call reaches the real backend; the
+hook runs before each get, and may break the backend for real (kill its server) or raise."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from remote_store.backends.base import ByteStore, StoreError
 
 
-class FaultInjectingStore(ByteStore):
-    """Raises StoreError on get calls number ``fail_from`` .. ``fail_until`` (1-based, inclusive)."""
+class HookedStore(ByteStore):
+    """Calls ``before_get(n)`` before the n-th get (1-based); fetches go one layer per get."""
 
-    def __init__(self, inner: ByteStore, fail_from: int, fail_until: int | None = None):
+    def __init__(self, inner: ByteStore, before_get: Callable[[int], None]):
         self.inner = inner
         self.url = inner.url
-        self.fail_from = fail_from
-        self.fail_until = fail_until
+        self.before_get = before_get
         self.gets = 0
-        self.failures = 0
 
     def put_many(self, items, ttl_s=None):
         self.inner.put_many(items, ttl_s)
 
     def get_many(self, keys: Sequence[str]):
         self.gets += 1
-        if self.gets >= self.fail_from and (self.fail_until is None or self.gets <= self.fail_until):
-            self.failures += 1
-            raise StoreError(f"injected failure on get #{self.gets}")
+        self.before_get(self.gets)
         return self.inner.get_many(keys)
 
     def exists_many(self, keys):
@@ -43,3 +39,14 @@ class FaultInjectingStore(ByteStore):
 
     def stats(self):
         return self.inner.stats()
+
+
+def failing_from(n: int, until: int | None = None) -> Callable[[int], None]:
+    """A hook that raises StoreError on gets ``n`` .. ``until``."""
+
+    def hook(count: int) -> None:
+        if count >= n and (until is None or count <= until):
+            raise StoreError(f"injected failure on get #{count}")
+
+    return hook
+

@@ -25,9 +25,11 @@ _BATCH_BYTES = 32 << 20
 # KEYS[1] record, KEYS[2] its pin counter; ARGV[1] value, ARGV[2] ttl in ms (0: none)
 _PUT = """
 local ttl = tonumber(ARGV[2])
-if ttl > 0 and redis.call('EXISTS', KEYS[2]) == 0 then
-  return redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  if ttl > 0 then redis.call('HSET', KEYS[2], 'ttl', ttl) end  -- restored on the last unpin
+  return redis.call('SET', KEYS[1], ARGV[1])
 end
+if ttl > 0 then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl) end
 return redis.call('SET', KEYS[1], ARGV[1])
 """
 # KEYS[1] record, KEYS[2] pin counter; ARGV[1] ttl in ms to restore on the last unpin

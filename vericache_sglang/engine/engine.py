@@ -18,6 +18,7 @@ from vericache_sglang.engine.decode import (
     generate_vericache,
     prefill,
 )
+from vericache_sglang.engine.hardware import memory_bandwidth
 from vericache_sglang.engine.model import DEFAULT_MODEL, load_model
 from vericache_sglang.engine.runner import ModelRunner
 
@@ -31,7 +32,8 @@ class Engine:
         self.loaded = load_model(model, device=device, dtype=dtype, progress=progress)
         self.runner = ModelRunner(self.loaded)
         self.tokenizer = self.loaded.tokenizer
-        self.store = FullKVStore(open_store(store), self.runner.layout, namespace, chunk_tokens)
+        backend = open_store(store, memory_bandwidth=lambda: memory_bandwidth(str(self.runner.device)))
+        self.store = FullKVStore(backend, self.runner.layout, namespace, chunk_tokens)
         self.progress = progress
 
     @property
