@@ -50,7 +50,7 @@ def worker(url: str, run: str, wid: int, ops: int, seconds: float, out: mp.Queue
             moved += RECORD_BYTES * len(keys)
         else:
             keys = rng.sample(mine, min(LAYERS, len(mine)))
-            for group in store.stream_get([keys[i::3] for i in range(3)]):
+            for _group in store.stream_get([keys[i::3] for i in range(3)]):
                 pass
             values = store.get_many(keys)
             for k, v in zip(keys, values, strict=True):

@@ -1,8 +1,15 @@
-"""The chunk record: a fixed header (layout, shape, dtype, layer, prefix digest, checksum) then the
-payload bytes. Pure Python: the store server handles records as bytes and needs no torch.
+"""The chunk record: a fixed header (layout, shape, dtype, layer, prefix digest, checksum), the
+payload, and for KV payloads a table of per-row checksums. Pure Python: the store server handles
+records as bytes and needs no torch.
 
-Every field is checked on decode; a record that fails any check raises ``ChunkError`` and is
-never used.
+A KV payload is keys then values, each ``[heads, tokens, head_dim]``; a *row* is one token of one
+head of K or V. The per-row CRC32 table lets a reader fetch only some rows (the tokens the
+accelerator does not already hold exactly) and still check every byte it uses. Every field is
+checked on decode; a record that fails any check raises ``ChunkError`` and is never used.
+
+    record = header | payload | row_crcs (uint32 per row, KV kind only)
+
+The header's checksum covers the payload and the table, so a whole-record read checks every byte.
 """
 
 from __future__ import annotations
@@ -12,18 +19,19 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"VCKV"
-VERSION = 1
+VERSION = 2
 # kind: what the payload holds
-KIND_KV = 0  # keys then values, each [heads, tokens, head_dim] in ``dtype``
+KIND_KV = 0  # keys then values, each [heads, tokens, head_dim] in ``dtype``, then the row-CRC table
 KIND_PACKED = 1  # opaque packed bytes (quantized KV); shape fields describe the logical KV
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float64": 4, "uint8": 5}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1}
 
 # magic, version, kind, dtype, layer, heads, tokens, head_dim, start, layout digest (8 bytes
-# from hex), prefix digest, crc32, payload length
+# from hex), prefix digest, crc32 of payload and row table, payload length
 _HEADER = struct.Struct("<4sBBBxIIIIQ8s16sIQ")
 HEADER_SIZE = _HEADER.size
+_CRC = struct.Struct("<I")
 
 
 class ChunkError(ValueError):
@@ -44,24 +52,54 @@ class ChunkHeader:
     crc32: int
     payload_len: int
 
+    @property
+    def row_bytes(self) -> int:
+        return self.head_dim * DTYPE_SIZES[self.dtype]
+
+    @property
+    def num_rows(self) -> int:
+        return 2 * self.heads * self.tokens if self.kind == KIND_KV else 0
+
     def expected_payload_len(self) -> int:
-        return 2 * self.heads * self.tokens * self.head_dim * DTYPE_SIZES[self.dtype]
+        return self.num_rows * self.row_bytes
+
+    @property
+    def record_len(self) -> int:
+        return HEADER_SIZE + self.payload_len + 4 * self.num_rows
+
+    def row_index(self, kv: int, head: int, token: int) -> int:
+        """Row of token ``token`` (within the chunk) of head ``head`` of K (``kv=0``) or V (1)."""
+        return (kv * self.heads + head) * self.tokens + token
+
+    def rows_range(self, first_row: int, count: int) -> tuple[int, int]:
+        """Byte (offset, length) of ``count`` consecutive rows in the record."""
+        return HEADER_SIZE + first_row * self.row_bytes, count * self.row_bytes
+
+    def crcs_range(self, first_row: int, count: int) -> tuple[int, int]:
+        """Byte (offset, length) of those rows' checksums in the record."""
+        return HEADER_SIZE + self.payload_len + 4 * first_row, 4 * count
+
+
+def _row_crcs(payload: memoryview, row_bytes: int) -> bytes:
+    return b"".join(_CRC.pack(zlib.crc32(payload[i : i + row_bytes])) for i in range(0, len(payload), row_bytes))
 
 
 def encode(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
-    if header.kind == KIND_KV and len(payload) != header.expected_payload_len():
-        raise ChunkError(f"payload of {len(payload)} bytes, header implies {header.expected_payload_len()}")
+    view = memoryview(payload).cast("B")
+    if header.kind == KIND_KV and len(view) != header.expected_payload_len():
+        raise ChunkError(f"payload of {len(view)} bytes, header implies {header.expected_payload_len()}")
+    table = _row_crcs(view, header.row_bytes) if header.kind == KIND_KV else b""
     raw = _HEADER.pack(
         MAGIC, VERSION, header.kind, DTYPE_CODES[header.dtype], header.layer, header.heads, header.tokens,
         header.head_dim, header.start, bytes.fromhex(header.layout_digest), header.prefix_digest,
-        zlib.crc32(payload), len(payload),
+        zlib.crc32(table, zlib.crc32(view)), len(view),
     )
-    return raw + bytes(payload)
+    return b"".join((raw, view, table))
 
 
-def decode(record: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
-    """Parse and check a record's framing and checksum; return its header and payload."""
-    view = memoryview(record)
+def decode_header(head: bytes | memoryview) -> ChunkHeader:
+    """Parse and check the fixed header (the first ``HEADER_SIZE`` bytes of a record)."""
+    view = memoryview(head)
     if len(view) < HEADER_SIZE:
         raise ChunkError(f"record of {len(view)} bytes is shorter than the {HEADER_SIZE}-byte header")
     (magic, version, kind, dtype_code, layer, heads, tokens, head_dim, start, layout, prefix, crc,
@@ -72,16 +110,34 @@ def decode(record: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
         raise ChunkError(f"chunk format version {version}, this reader knows {VERSION}")
     if dtype_code not in DTYPE_NAMES or kind not in (KIND_KV, KIND_PACKED):
         raise ChunkError(f"unknown dtype code {dtype_code} or kind {kind}")
-    payload = view[HEADER_SIZE:]
-    if len(payload) != length:
-        raise ChunkError(f"payload of {len(payload)} bytes, header says {length}")
-    if zlib.crc32(payload) != crc:
-        raise ChunkError("checksum mismatch: the chunk is corrupt")
-    header = ChunkHeader(kind, DTYPE_NAMES[dtype_code], layer, heads, tokens, head_dim, start,
-                         layout.hex(), prefix, crc, length)
+    header = ChunkHeader(kind, DTYPE_NAMES[dtype_code], layer, heads, tokens, head_dim, start, layout.hex(),
+                         prefix, crc, length)
     if kind == KIND_KV and length != header.expected_payload_len():
         raise ChunkError(f"payload of {length} bytes does not fit shape {heads}x{tokens}x{head_dim}")
-    return header, payload
+    return header
+
+
+def decode(record: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
+    """Parse and check a whole record's framing and payload checksum; return header and payload."""
+    view = memoryview(record)
+    header = decode_header(view)
+    if len(view) != header.record_len:
+        raise ChunkError(f"record of {len(view)} bytes, its header implies {header.record_len}")
+    if zlib.crc32(view[HEADER_SIZE:]) != header.crc32:
+        raise ChunkError("checksum mismatch: the chunk is corrupt")
+    return header, view[HEADER_SIZE : HEADER_SIZE + header.payload_len]
+
+
+def check_rows(header: ChunkHeader, first_row: int, rows: bytes | memoryview, crcs: bytes | memoryview) -> None:
+    """Check rows read on their own against their entries of the row-checksum table."""
+    rb = header.row_bytes
+    count = len(rows) // rb
+    if len(rows) != count * rb or len(crcs) != 4 * count:
+        raise ChunkError(f"partial read of {len(rows)} row bytes and {len(crcs)} checksum bytes is malformed")
+    view = memoryview(rows)
+    for i in range(count):
+        if zlib.crc32(view[i * rb : (i + 1) * rb]) != _CRC.unpack_from(crcs, 4 * i)[0]:
+            raise ChunkError(f"checksum mismatch in row {first_row + i}: the chunk is corrupt")
 
 
 def check(header: ChunkHeader, *, layout_digest: str, prefix_digest: bytes, layer: int, tokens: int,

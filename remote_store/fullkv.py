@@ -8,16 +8,17 @@ checked on read (layout, token-prefix digest, layer, span, checksum); a failed c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from remote_store import codec
+from remote_store import codec, subset
 from remote_store.backends.base import ByteStore, StoreError
 from remote_store.keys import KEY_PREFIX, ChunkRef, chunk_refs, salt_digest
 from vericache_sglang.core.kv import FullKV, KVLayout, dtype_name
@@ -47,7 +48,8 @@ class FullKVStore:
     """Full KV of one model layout in one namespace of a byte store."""
 
     def __init__(self, backend: ByteStore, layout: KVLayout, namespace: str = "default",
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, decode_ttl_s: float = DEFAULT_DECODE_TTL_S):
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, decode_ttl_s: float = DEFAULT_DECODE_TTL_S,
+                 subset_min_fraction: float = 0.1):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.backend = backend
@@ -55,6 +57,9 @@ class FullKVStore:
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens
         self.decode_ttl_s = decode_ttl_s
+        # Fetch only the rows not held on the device once they are at least this share of a span;
+        # below it, whole records (fewer, larger reads) cost less than the ranges save.
+        self.subset_min_fraction = subset_min_fraction
         self.layout_digest = layout.digest()
         self.salt = salt_digest(layout.model_id, self.layout_digest, namespace)
 
@@ -73,15 +78,23 @@ class FullKVStore:
         )
         return codec.encode(header, payload)
 
-    def decode(self, record: bytes, ref: ChunkRef, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        header, payload = codec.decode(record)
+    def expected_header(self, ref: ChunkRef, layer: int) -> codec.ChunkHeader:
+        lay = self.layout
+        header = codec.ChunkHeader(codec.KIND_KV, dtype_name(lay.dtype), layer, lay.num_kv_heads, ref.num_tokens,
+                                   lay.head_dim, ref.start, self.layout_digest, ref.digest, 0, 0)
+        return dataclasses.replace(header, payload_len=header.expected_payload_len())
+
+    def check_header(self, header: codec.ChunkHeader, ref: ChunkRef, layer: int) -> None:
+        """Raise ChunkError unless ``header`` is that of chunk ``ref``'s layer ``layer`` in this layout."""
         codec.check(header, layout_digest=self.layout_digest, prefix_digest=ref.digest, layer=layer,
                     tokens=ref.num_tokens, start=ref.start)
-        if header.kind != codec.KIND_KV or header.dtype != dtype_name(self.layout.dtype):
-            raise codec.ChunkError(f"chunk holds {header.dtype} kind {header.kind}, expected raw "
-                                   f"{dtype_name(self.layout.dtype)} KV")
-        if (header.heads, header.head_dim) != (self.layout.num_kv_heads, self.layout.head_dim):
-            raise codec.ChunkError(f"chunk of {header.heads} heads x {header.head_dim}, layout differs")
+        if dataclasses.replace(header, crc32=0) != self.expected_header(ref, layer):
+            raise codec.ChunkError(f"chunk holds {header.dtype} kind {header.kind}, {header.heads} heads x "
+                                   f"{header.head_dim}; expected raw {dtype_name(self.layout.dtype)} KV of this layout")
+
+    def decode(self, record: bytes, ref: ChunkRef, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        header, payload = codec.decode(record)
+        self.check_header(header, ref, layer)
         kv = _tensor_from(payload, self.layout.dtype, (2, header.heads, header.tokens, header.head_dim))
         return kv[0], kv[1]
 
@@ -203,23 +216,50 @@ class RequestKV:
                 self._tail = None
             self.stored = start + n
 
-    def fetch_layers(self, upto: int | None = None, layers: Sequence[int] | None = None
+    def fetch_layers(self, upto: int | None = None, layers: Sequence[int] | None = None, *, start: int = 0,
+                     held: Callable[[int], subset.Held | None] | None = None,
                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Yield ``(layer, keys, values)`` of positions ``[0, upto)``, one layer per batched get."""
+        """Yield ``(layer, keys, values)`` of positions ``[start, upto)``, layer by layer as they arrive.
+
+        ``held(layer)`` names the rows the caller already holds bit-exactly (a compressor's kept
+        tokens); when they are at least ``subset_min_fraction`` of the span, only the other rows
+        are read, as byte ranges checked row by row, and the held ones are filled in.
+        """
         store = self.store
         upto = self.stored if upto is None else upto
-        if upto > self.stored:
-            raise ValueError(f"fetch up to {upto}, but only [0, {self.stored}) is stored")
-        refs = store.refs(self.tokens, self.stored)
-        refs = [r for r in refs if r.start < upto]
+        if not 0 <= start < upto <= self.stored:
+            raise ValueError(f"fetch of [{start}, {upto}), but [0, {self.stored}) is what is stored")
+        refs = [r for r in store.refs(self.tokens, self.stored) if r.start < upto and r.end > start]
         owners = [self._owner(r) for r in refs]
-        total = 0
         layers = list(range(store.layout.num_layers) if layers is None else layers)
-        groups = [[store.key(r, layer, o) for r, o in zip(refs, owners, strict=True)] for layer in layers]
-        for layer, records in zip(layers, store.backend.stream_get(groups), strict=True):
-            total += sum(len(r) for r in records if r is not None)
-            k, v = store._join(refs, layer, records, owners)
-            yield layer, k[:, :upto], v[:, :upto]
+        lay = store.layout
+        held_by_layer = {layer: held(layer) for layer in layers} if held else {}
+        fraction = (sum(subset.held_fraction(h, lay.num_kv_heads, start, upto) for h in held_by_layer.values())
+                    / len(layers)) if held_by_layer else 0.0
+        total = 0
+        if not held_by_layer or fraction < store.subset_min_fraction:
+            groups = [[store.key(r, layer, o) for r, o in zip(refs, owners, strict=True)] for layer in layers]
+            lo, hi = start - refs[0].start, upto - refs[0].start
+            for layer, records in zip(layers, store.backend.stream_get(groups), strict=True):
+                total += sum(len(r) for r in records if r is not None)
+                k, v = store._join(refs, layer, records, owners)
+                yield layer, k[:, lo:hi], v[:, lo:hi]
+        else:
+            shape = (lay.num_kv_heads, upto - start, lay.head_dim)
+            outs, plans = [], []
+            for layer in layers:
+                k_out, v_out = torch.empty(shape, dtype=lay.dtype), torch.empty(shape, dtype=lay.dtype)
+                mask = subset.place_held(held_by_layer[layer], k_out, v_out, start)
+                plans.append(subset.plan(refs, [store.expected_header(r, layer) for r in refs], mask, start, upto))
+                outs.append((k_out, v_out))
+            groups = [[(store.key(p.ref, layer, o), p.ranges) for p, o in zip(lp, owners, strict=True)]
+                      for layer, lp in zip(layers, plans, strict=True)]
+            replies = store.backend.stream_get_ranges(groups)
+            for layer, lp, (k_out, v_out), reply in zip(layers, plans, outs, replies, strict=True):
+                total += sum(len(part) for parts in reply if parts is not None for part in parts)
+                subset.assemble(lp, reply, k_out, v_out, start, lambda h, ref, layer=layer: store.check_header(
+                    h, ref, layer))
+                yield layer, k_out, v_out
         self.stats.fetches += 1
         self.stats.fetch_bytes += total
         self.stats.last_fetch_bytes = total

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from remote_store.backends.base import ByteStore
+from remote_store.backends.base import ByteStore, RangeRequest
 
 
 class LinkEmulator(ByteStore):
@@ -51,6 +51,12 @@ class LinkEmulator(ByteStore):
         started = time.monotonic()
         out = self.inner.get_many(keys)
         self._transfer(sum(len(v) for v in out if v is not None), started)
+        return out
+
+    def get_ranges(self, requests: Sequence[RangeRequest]) -> list[list[bytes] | None]:
+        started = time.monotonic()
+        out = self.inner.get_ranges(requests)
+        self._transfer(sum(len(p) for parts in out if parts is not None for p in parts), started)
         return out
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:

@@ -44,6 +44,12 @@ class KVStoreServicer(store_pb2_grpc.KVStoreServicer):
             for i, value in enumerate(self.store.get_many(list(group.keys))):
                 yield store_pb2.Record(group=g, index=i, found=value is not None, value=value or b"")
 
+    def GetRanges(self, request, context) -> Iterator[store_pb2.RangeRecord]:
+        for g, group in enumerate(request.groups):
+            asks = [(item.key, list(zip(item.offsets, item.lengths, strict=True))) for item in group.items]
+            for i, parts in enumerate(self.store.get_ranges(asks)):
+                yield store_pb2.RangeRecord(group=g, index=i, found=parts is not None, parts=parts or [])
+
     def Exists(self, request, context):
         return store_pb2.ExistsReply(exists=self.store.exists_many(list(request.keys)))
 
@@ -81,7 +87,8 @@ class TokenAuth(grpc.ServerInterceptor):
         given = dict(details.invocation_metadata).get("authorization", "")
         if hmac.compare_digest(given.encode(), b"Bearer " + self.token):
             return continuation(details)
-        return self._deny_stream if details.method.endswith("/Get") else self._deny
+        streaming = details.method.endswith(("/Get", "/GetRanges"))
+        return self._deny_stream if streaming else self._deny
 
 
 def build_server(listen: str, capacity_bytes: int, token: str | None = None, tls_cert: Path | None = None,

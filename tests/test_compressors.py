@@ -134,7 +134,8 @@ def test_kivi_sizes_and_residual(bits):
     assert k.shape == (2, 300, 64)
     assert torch.equal(k[:, 256:], kv.layers[0][0][:, 256:])  # the residual is exact
     assert (k[:, :256] - kv.layers[0][0][:, :256]).abs().max() > 0  # the rest is not
-    assert layer.exact_positions()[0].tolist() == list(range(256, 300))
+    pos, k_exact, _ = layer.exact_kv()
+    assert pos[0].tolist() == list(range(256, 300)) and torch.equal(k_exact, kv.layers[0][0][:, 256:])
     new = full_kv(100, seed=3).layers[0]
     c.update(ckv, 0, new[0], new[1], torch.arange(300, 400))
     assert ckv.layers[0].quantized_tokens == 384 and ckv.layers[0].num_tokens == 400

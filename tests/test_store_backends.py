@@ -8,11 +8,10 @@ import uuid
 
 import pytest
 import torch
-
-from remote_store import StoreError, open_store
-from remote_store import codec
-from remote_store.fullkv import FullKVStore
 from services import REPO, RedisServer, StoreServer, redis_available, self_signed_cert
+
+from remote_store import StoreError, codec, open_store
+from remote_store.fullkv import FullKVStore
 from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.core.kv import KVLayout
 from vericache_sglang.engine.decode import GenerationConfig, generate_full, generate_vericache, prefill
@@ -192,3 +191,57 @@ def test_unknown_scheme_is_a_clear_error():
         open_store("s3://bucket")
     with pytest.raises(ValueError, match="expected grpc"):
         open_store("grpc://nohost")
+
+
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.5,window=8", "streamingllm:sink=4,window=40",
+                                  "kivi:bits=2,group=16,residual=32"])
+def test_subset_fetch_moves_only_rows_not_held(backend_url, spec):
+    from vericache_sglang.core.compress.base import Observation
+    from vericache_sglang.core.kv import FullKV
+
+    lay = layout()
+    n = 150
+    kv = random_kv(lay, n, seed=4)
+    ckv = parse_spec(spec).compress(FullKV(lay, kv), Observation([torch.randn(4, 64, 16) for _ in range(3)]))
+    store = FullKVStore(open_store(backend_url), lay, namespace=uuid.uuid4().hex, chunk_tokens=32,
+                        subset_min_fraction=0.0)
+    req = store.open_request(list(range(n)))
+    req.write(0, kv)
+    whole = {layer: (k.clone(), v.clone()) for layer, k, v in req.fetch_layers(n)}
+    whole_bytes = req.stats.last_fetch_bytes
+    part = {layer: (k, v) for layer, k, v in req.fetch_layers(n, held=lambda i: ckv.layers[i].exact_kv())}
+    part_bytes = req.stats.last_fetch_bytes
+    for layer in range(3):
+        assert torch.equal(part[layer][0], kv[layer][0]) and torch.equal(part[layer][1], kv[layer][1])
+        assert torch.equal(whole[layer][0], kv[layer][0])
+    held = sum(ckv.layers[i].exact_kv()[0].numel() for i in range(3)) / (3 * 2 * n)
+    # rows held are not moved (within the headers, checksums and merged gaps the ranges add)
+    assert part_bytes < whole_bytes * (1 - held) * 1.15, (part_bytes, whole_bytes, held)
+    # a token range
+    sub = {layer: k for layer, k, _ in req.fetch_layers(100, start=40)}
+    assert torch.equal(sub[2], kv[2][0][:, 40:100])
+
+
+def test_subset_fetch_detects_a_corrupt_row(redis_url):
+    import redis as redis_py
+
+    from vericache_sglang.core.compress.base import Observation
+    from vericache_sglang.core.kv import FullKV
+
+    lay = layout()
+    kv = random_kv(lay, 64, seed=5)
+    ckv = parse_spec("snapkv:ratio=0.5,window=8").compress(
+        FullKV(lay, kv), Observation([torch.randn(4, 64, 16) for _ in range(3)]))
+    store = FullKVStore(open_store(redis_url), lay, namespace=uuid.uuid4().hex, chunk_tokens=32,
+                        subset_min_fraction=0.0)
+    req = store.open_request(list(range(64)))
+    req.write(0, kv)
+    key = store.key(store.refs(req.tokens, 64)[0], 1)
+    client = redis_py.Redis.from_url(redis_url)
+    record = bytearray(client.get(key))
+    held_pos = set(ckv.layers[1].exact_kv()[0][0].tolist())
+    token = next(t for t in range(32) if t not in held_pos)  # a row that must be fetched
+    record[codec.HEADER_SIZE + token * 16 * 4 + 3] ^= 0x10  # head 0, K
+    client.set(key, bytes(record))
+    with pytest.raises(codec.ChunkError, match="checksum mismatch in row"):
+        list(req.fetch_layers(64, held=lambda i: ckv.layers[i].exact_kv()))

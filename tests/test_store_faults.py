@@ -9,11 +9,11 @@ import uuid
 import pytest
 import redis
 import torch
-
 from faults import HookedStore
+from services import RedisServer, StoreServer, redis_available
+
 from remote_store import StoreError, open_store
 from remote_store.fullkv import FullKVStore
-from services import RedisServer, StoreServer, redis_available
 from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.engine.decode import GenerationConfig, generate_full, generate_vericache, prefill
 from vericache_sglang.engine.engine import compare
@@ -187,7 +187,7 @@ def test_grpc_store_full_of_pinned_chunks_refuses_clearly(tmp_path):
         store = open_store(server.url)
         store.pin(["a", "b"])
         store.put_many([("a", bytes(120 << 10)), ("b", bytes(120 << 10))])
-        with pytest.raises(StoreError, match="RESOURCE_EXHAUSTED.*pinned"):
+        with pytest.raises(StoreError, match=r"RESOURCE_EXHAUSTED.*pinned"):
             store.put_many([("c", bytes(100 << 10))])
         assert store.exists_many(["a", "b", "c"]) == [True, True, False]
         store.unpin(["a"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
+RangeRequest = tuple[str, Sequence[tuple[int, int]]]  # a key and (offset, length) slices of its record
+
 
 class StoreError(RuntimeError):
     """The store failed: unreachable, refused, out of space, or timed out."""
@@ -34,6 +36,19 @@ class ByteStore(ABC):
         """
         for group in groups:
             yield self.get_many(group)
+
+    def get_ranges(self, requests: Sequence[RangeRequest]) -> list[list[bytes] | None]:
+        """For each ``(key, [(offset, length), ...])``, those byte slices of the record, or None when
+        the key is missing. Backends that can read slices remotely move only those bytes; this
+        default reads whole records."""
+        records = self.get_many([key for key, _ in requests])
+        return [None if r is None else [r[o : o + n] for o, n in ranges]
+                for r, (_, ranges) in zip(records, requests, strict=True)]
+
+    def stream_get_ranges(self, groups: Sequence[Sequence[RangeRequest]]) -> Iterator[list[list[bytes] | None]]:
+        """``get_ranges`` group by group (one group per layer), each yielded when complete."""
+        for group in groups:
+            yield self.get_ranges(group)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [r is not None for r in self.get_many(keys)]

@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import grpc
 
-from remote_store.backends.base import ByteStore, StoreError
+from remote_store.backends.base import ByteStore, RangeRequest, StoreError
 from remote_store.proto import MAX_MESSAGE_BYTES, store_pb2, store_pb2_grpc
 
 _PUT_BATCH_BYTES = 64 << 20
@@ -60,33 +60,49 @@ class GrpcStore(ByteStore):
         if batch:
             self._call("put", self.stub.Put, store_pb2.PutRequest(items=batch, ttl_s=ttl_s or 0))
 
-    def stream_get(self, groups: Sequence[Sequence[str]]) -> Iterator[list[bytes | None]]:
-        request = store_pb2.GetRequest(groups=[store_pb2.KeyGroup(keys=list(g)) for g in groups])
-        pending = [list(g) for g in groups]
-        current: list[bytes | None] = []
+    def _stream_groups(self, what: str, call, request, sizes: list[int], unpack) -> Iterator[list]:
+        """Yield each group's replies, in order, as soon as the group is complete."""
+        current: list = []
         group = 0
         try:
-            stream = self.stub.Get(request, timeout=self.timeout_s, metadata=self._metadata)
-            while group < len(pending) and not pending[group]:  # empty groups have no records
+            stream = call(request, timeout=self.timeout_s, metadata=self._metadata)
+            while group < len(sizes) and not sizes[group]:  # empty groups have no records
                 yield []
                 group += 1
             for record in stream:
                 if record.group != group or record.index != len(current):
                     raise StoreError(f"store stream out of order at group {record.group} index {record.index}")
-                current.append(record.value if record.found else None)
-                if len(current) == len(pending[group]):
+                current.append(unpack(record))
+                if len(current) == sizes[group]:
                     yield current
                     current, group = [], group + 1
-                    while group < len(pending) and not pending[group]:
+                    while group < len(sizes) and not sizes[group]:
                         yield []
                         group += 1
         except grpc.RpcError as e:
-            raise StoreError(f"store get failed at {self.url}: {e.code().name}: {e.details()}") from e
-        if group != len(pending):
-            raise StoreError(f"store stream ended after {group} of {len(pending)} groups")
+            raise StoreError(f"store {what} failed at {self.url}: {e.code().name}: {e.details()}") from e
+        if group != len(sizes):
+            raise StoreError(f"store stream ended after {group} of {len(sizes)} groups")
+
+    def stream_get(self, groups: Sequence[Sequence[str]]) -> Iterator[list[bytes | None]]:
+        request = store_pb2.GetRequest(groups=[store_pb2.KeyGroup(keys=list(g)) for g in groups])
+        return self._stream_groups("get", self.stub.Get, request, [len(g) for g in groups],
+                                   lambda r: r.value if r.found else None)
+
+    def stream_get_ranges(self, groups: Sequence[Sequence[RangeRequest]]) -> Iterator[list[list[bytes] | None]]:
+        request = store_pb2.GetRangesRequest(groups=[
+            store_pb2.RangeGroup(items=[
+                store_pb2.RangeRequest(key=key, offsets=[o for o, _ in ranges], lengths=[n for _, n in ranges])
+                for key, ranges in group])
+            for group in groups])
+        return self._stream_groups("get", self.stub.GetRanges, request, [len(g) for g in groups],
+                                   lambda r: list(r.parts) if r.found else None)
+
+    def get_ranges(self, requests: Sequence[RangeRequest]) -> list[list[bytes] | None]:
+        return next(iter(self.stream_get_ranges([requests]))) if requests else []
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return list(self.stream_get([keys]))[0] if keys else []
+        return next(iter(self.stream_get([keys]))) if keys else []
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return list(self._call("exists", self.stub.Exists, store_pb2.KeysRequest(keys=list(keys))).exists)

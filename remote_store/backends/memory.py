@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from remote_store.backends.base import ByteStore, StoreError
+from remote_store.backends.base import ByteStore, RangeRequest, StoreError
 
 
 class MemoryStore(ByteStore):
@@ -76,6 +76,21 @@ class MemoryStore(ByteStore):
                     self._data.move_to_end(key)
                     self._counters["hits"] += 1
                 out.append(value)
+        return out
+
+    def get_ranges(self, requests: Sequence[RangeRequest]) -> list[list[bytes] | None]:
+        now = time.monotonic()
+        out: list[list[bytes] | None] = []
+        with self._lock:
+            for key, ranges in requests:
+                value = self._live(key, now)
+                if value is None:
+                    self._counters["misses"] += 1
+                    out.append(None)
+                    continue
+                self._data.move_to_end(key)
+                self._counters["hits"] += 1
+                out.append([value[o : o + n] for o, n in ranges])
         return out
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:

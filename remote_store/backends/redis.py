@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 
-from remote_store.backends.base import ByteStore, StoreError
+from remote_store.backends.base import ByteStore, RangeRequest, StoreError
 
 _OWN_PARAMS = ("default_ttl_s", "timeout_s")
 _BATCH_BYTES = 32 << 20
@@ -101,6 +101,23 @@ class RedisStore(ByteStore):
         if not keys:
             return []
         return self._call("get", lambda: self.client.mget(list(keys)))
+
+    def get_ranges(self, requests: Sequence[RangeRequest]) -> list[list[bytes] | None]:
+        def run() -> list[list[bytes] | None]:
+            pipe = self.client.pipeline(transaction=False)
+            for key, ranges in requests:
+                pipe.exists(key)
+                for offset, length in ranges:
+                    pipe.getrange(key, offset, offset + length - 1)
+            replies = iter(pipe.execute())
+            out: list[list[bytes] | None] = []
+            for _, ranges in requests:
+                found = next(replies)
+                parts = [next(replies) for _ in ranges]
+                out.append(parts if found else None)
+            return out
+
+        return self._call("get", run) if requests else []
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         def run() -> list[bool]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eremote_store/proto/store.proto\x12\x12vericache.store.v1\"\x07\n\x05\x45mpty\"\"\n\x04Item\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"D\n\nPutRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.vericache.store.v1.Item\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\x1a\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\x04\"\x18\n\x08KeyGroup\x12\x0c\n\x04keys\x18\x01 \x03(\t\":\n\nGetRequest\x12,\n\x06groups\x18\x01 \x03(\x0b\x32\x1c.vericache.store.v1.KeyGroup\"D\n\x06Record\x12\r\n\x05group\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x66ound\x18\x03 \x01(\x08\x12\r\n\x05value\x18\x04 \x01(\x0c\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x1d\n\x0b\x45xistsReply\x12\x0e\n\x06\x65xists\x18\x01 \x03(\x08\"\x1e\n\x0b\x44\x65leteReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x04\"\x90\x01\n\nStatsReply\x12:\n\x06values\x18\x01 \x03(\x0b\x32*.vericache.store.v1.StatsReply.ValuesEntry\x12\x17\n\x0f\x65viction_policy\x18\x02 \x01(\t\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xf7\x03\n\x07KVStore\x12\x43\n\x03Put\x12\x1e.vericache.store.v1.PutRequest\x1a\x1c.vericache.store.v1.PutReply\x12\x43\n\x03Get\x12\x1e.vericache.store.v1.GetRequest\x1a\x1a.vericache.store.v1.Record0\x01\x12J\n\x06\x45xists\x12\x1f.vericache.store.v1.KeysRequest\x1a\x1f.vericache.store.v1.ExistsReply\x12J\n\x06\x44\x65lete\x12\x1f.vericache.store.v1.KeysRequest\x1a\x1f.vericache.store.v1.DeleteReply\x12\x41\n\x03Pin\x12\x1f.vericache.store.v1.KeysRequest\x1a\x19.vericache.store.v1.Empty\x12\x43\n\x05Unpin\x12\x1f.vericache.store.v1.KeysRequest\x1a\x19.vericache.store.v1.Empty\x12\x42\n\x05Stats\x12\x19.vericache.store.v1.Empty\x1a\x1e.vericache.store.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eremote_store/proto/store.proto\x12\x12vericache.store.v1\"\x07\n\x05\x45mpty\"\"\n\x04Item\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"D\n\nPutRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.vericache.store.v1.Item\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\x1a\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\x04\"\x18\n\x08KeyGroup\x12\x0c\n\x04keys\x18\x01 \x03(\t\":\n\nGetRequest\x12,\n\x06groups\x18\x01 \x03(\x0b\x32\x1c.vericache.store.v1.KeyGroup\"D\n\x06Record\x12\r\n\x05group\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x66ound\x18\x03 \x01(\x08\x12\r\n\x05value\x18\x04 \x01(\x0c\"=\n\x0cRangeRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0f\n\x07offsets\x18\x02 \x03(\x04\x12\x0f\n\x07lengths\x18\x03 \x03(\x04\"=\n\nRangeGroup\x12/\n\x05items\x18\x01 \x03(\x0b\x32 .vericache.store.v1.RangeRequest\"B\n\x10GetRangesRequest\x12.\n\x06groups\x18\x01 \x03(\x0b\x32\x1e.vericache.store.v1.RangeGroup\"I\n\x0bRangeRecord\x12\r\n\x05group\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x66ound\x18\x03 \x01(\x08\x12\r\n\x05parts\x18\x04 \x03(\x0c\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x1d\n\x0b\x45xistsReply\x12\x0e\n\x06\x65xists\x18\x01 \x03(\x08\"\x1e\n\x0b\x44\x65leteReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x04\"\x90\x01\n\nStatsReply\x12:\n\x06values\x18\x01 \x03(\x0b\x32*.vericache.store.v1.StatsReply.ValuesEntry\x12\x17\n\x0f\x65viction_policy\x18\x02 \x01(\t\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xcd\x04\n\x07KVStore\x12\x43\n\x03Put\x12\x1e.vericache.store.v1.PutRequest\x1a\x1c.vericache.store.v1.PutReply\x12\x43\n\x03Get\x12\x1e.vericache.store.v1.GetRequest\x1a\x1a.vericache.store.v1.Record0\x01\x12T\n\tGetRanges\x12$.vericache.store.v1.GetRangesRequest\x1a\x1f.vericache.store.v1.RangeRecord0\x01\x12J\n\x06\x45xists\x12\x1f.vericache.store.v1.KeysRequest\x1a\x1f.vericache.store.v1.ExistsReply\x12J\n\x06\x44\x65lete\x12\x1f.vericache.store.v1.KeysRequest\x1a\x1f.vericache.store.v1.DeleteReply\x12\x41\n\x03Pin\x12\x1f.vericache.store.v1.KeysRequest\x1a\x19.vericache.store.v1.Empty\x12\x43\n\x05Unpin\x12\x1f.vericache.store.v1.KeysRequest\x1a\x19.vericache.store.v1.Empty\x12\x42\n\x05Stats\x12\x19.vericache.store.v1.Empty\x1a\x1e.vericache.store.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,16 +47,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETREQUEST']._serialized_end=281
   _globals['_RECORD']._serialized_start=283
   _globals['_RECORD']._serialized_end=351
-  _globals['_KEYSREQUEST']._serialized_start=353
-  _globals['_KEYSREQUEST']._serialized_end=380
-  _globals['_EXISTSREPLY']._serialized_start=382
-  _globals['_EXISTSREPLY']._serialized_end=411
-  _globals['_DELETEREPLY']._serialized_start=413
-  _globals['_DELETEREPLY']._serialized_end=443
-  _globals['_STATSREPLY']._serialized_start=446
-  _globals['_STATSREPLY']._serialized_end=590
-  _globals['_STATSREPLY_VALUESENTRY']._serialized_start=545
-  _globals['_STATSREPLY_VALUESENTRY']._serialized_end=590
-  _globals['_KVSTORE']._serialized_start=593
-  _globals['_KVSTORE']._serialized_end=1096
+  _globals['_RANGEREQUEST']._serialized_start=353
+  _globals['_RANGEREQUEST']._serialized_end=414
+  _globals['_RANGEGROUP']._serialized_start=416
+  _globals['_RANGEGROUP']._serialized_end=477
+  _globals['_GETRANGESREQUEST']._serialized_start=479
+  _globals['_GETRANGESREQUEST']._serialized_end=545
+  _globals['_RANGERECORD']._serialized_start=547
+  _globals['_RANGERECORD']._serialized_end=620
+  _globals['_KEYSREQUEST']._serialized_start=622
+  _globals['_KEYSREQUEST']._serialized_end=649
+  _globals['_EXISTSREPLY']._serialized_start=651
+  _globals['_EXISTSREPLY']._serialized_end=680
+  _globals['_DELETEREPLY']._serialized_start=682
+  _globals['_DELETEREPLY']._serialized_end=712
+  _globals['_STATSREPLY']._serialized_start=715
+  _globals['_STATSREPLY']._serialized_end=859
+  _globals['_STATSREPLY_VALUESENTRY']._serialized_start=814
+  _globals['_STATSREPLY_VALUESENTRY']._serialized_end=859
+  _globals['_KVSTORE']._serialized_start=862
+  _globals['_KVSTORE']._serialized_end=1451
 # @@protoc_insertion_point(module_scope)

@@ -56,6 +56,40 @@ class Record(_message.Message):
     value: bytes
     def __init__(self, group: _Optional[int] = ..., index: _Optional[int] = ..., found: bool = ..., value: _Optional[bytes] = ...) -> None: ...
 
+class RangeRequest(_message.Message):
+    __slots__ = ("key", "offsets", "lengths")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RangeGroup(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[RangeRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[RangeRequest, _Mapping]]] = ...) -> None: ...
+
+class GetRangesRequest(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[RangeGroup]
+    def __init__(self, groups: _Optional[_Iterable[_Union[RangeGroup, _Mapping]]] = ...) -> None: ...
+
+class RangeRecord(_message.Message):
+    __slots__ = ("group", "index", "found", "parts")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    index: int
+    found: bool
+    parts: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, group: _Optional[int] = ..., index: _Optional[int] = ..., found: bool = ..., parts: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class KeysRequest(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class KVStoreStub(object):
                 request_serializer=remote__store_dot_proto_dot_store__pb2.GetRequest.SerializeToString,
                 response_deserializer=remote__store_dot_proto_dot_store__pb2.Record.FromString,
                 _registered_method=True)
+        self.GetRanges = channel.unary_stream(
+                '/vericache.store.v1.KVStore/GetRanges',
+                request_serializer=remote__store_dot_proto_dot_store__pb2.GetRangesRequest.SerializeToString,
+                response_deserializer=remote__store_dot_proto_dot_store__pb2.RangeRecord.FromString,
+                _registered_method=True)
         self.Exists = channel.unary_unary(
                 '/vericache.store.v1.KVStore/Exists',
                 request_serializer=remote__store_dot_proto_dot_store__pb2.KeysRequest.SerializeToString,
@@ -84,6 +89,13 @@ class KVStoreServicer(object):
     def Get(self, request, context):
         """Records group by group (a group is one layer's chunks), streamed as they are read, so the
         client can verify layer 0 while later layers are still on the wire. One message per record.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRanges(self, request, context):
+        """Byte slices of records (the rows a verification still needs), streamed group by group.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,6 +143,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=remote__store_dot_proto_dot_store__pb2.GetRequest.FromString,
                     response_serializer=remote__store_dot_proto_dot_store__pb2.Record.SerializeToString,
+            ),
+            'GetRanges': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetRanges,
+                    request_deserializer=remote__store_dot_proto_dot_store__pb2.GetRangesRequest.FromString,
+                    response_serializer=remote__store_dot_proto_dot_store__pb2.RangeRecord.SerializeToString,
             ),
             'Exists': grpc.unary_unary_rpc_method_handler(
                     servicer.Exists,
@@ -212,6 +229,33 @@ class KVStore(object):
             '/vericache.store.v1.KVStore/Get',
             remote__store_dot_proto_dot_store__pb2.GetRequest.SerializeToString,
             remote__store_dot_proto_dot_store__pb2.Record.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/vericache.store.v1.KVStore/GetRanges',
+            remote__store_dot_proto_dot_store__pb2.GetRangesRequest.SerializeToString,
+            remote__store_dot_proto_dot_store__pb2.RangeRecord.FromString,
             options,
             channel_credentials,
             insecure,

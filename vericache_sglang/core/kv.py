@@ -117,11 +117,9 @@ class CompressedLayer(ABC):
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[kv_heads, num_tokens, head_dim]`` in the model dtype, for attention."""
 
-    def exact_positions(self) -> torch.Tensor | None:
-        """``[kv_heads, n]`` positions whose KV this layer holds at full precision, or None.
-
-        What the device holds exactly need not cross the link again for verification.
-        """
+    def exact_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(positions [kv_heads, m], keys, values [kv_heads, m, head_dim])`` of the tokens this layer
+        holds bit-exactly, or None. What the device holds exactly need not cross the link again."""
         return None
 
 

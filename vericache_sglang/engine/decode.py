@@ -268,7 +268,9 @@ def generate_vericache(
         while not done:
             n = len(tokens)  # positions [0, n - 1) have KV; token n - 1 is the next input
             x = max(0, min(cfg.horizon, out.stop.remaining - 1, runner.max_positions - n - 1))
-            feed = (FullKVFetch(request, n - 1, runner.layout.num_layers, pending, cfg.fetch_timeout_s)
+            # The rows the compressed KV holds bit-exactly need not cross the link again.
+            feed = (FullKVFetch(request, n - 1, runner.layout.num_layers, pending, cfg.fetch_timeout_s,
+                                held=lambda layer: ckv.layers[layer].exact_kv())
                     if resident is None else ResidentFeed(resident.to_full()))
             pending = None
             drafts, draft_probs = _draft(runner, ckv, tokens[-1], n - 1, x, sampler, cfg, rejection)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from remote_store.backends.base import StoreError
 from remote_store.fullkv import RequestKV
+from remote_store.subset import Held
 from vericache_sglang.core.kv import FullKV
 
 
@@ -24,9 +26,10 @@ class FetchError(StoreError):
 class FullKVFetch:
     def __init__(self, request: RequestKV, upto: int, num_layers: int,
                  pending_write: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, held: Callable[[int], Held | None] | None = None):
         self.request = request
         self.upto = upto
+        self.held = held
         self.timeout_s = timeout_s
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self._ready = [threading.Event() for _ in range(num_layers)]
@@ -43,7 +46,7 @@ class FullKVFetch:
         try:
             if self._pending is not None:
                 self.request.write(*self._pending)
-            for layer, k, v in self.request.fetch_layers(self.upto):
+            for layer, k, v in self.request.fetch_layers(self.upto, held=self.held):
                 self._layers[layer] = (k, v)
                 self.arrival[layer] = time.monotonic()
                 self._ready[layer].set()

@@ -8,7 +8,7 @@ import time
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def memory_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """The engine's device-memory bandwidth in bytes/s: the median of timed large copies,
     counting the bytes read and written (what a bandwidth-bound decode step moves)."""

@@ -128,8 +128,8 @@ class DroppedLayer(CompressedLayer):
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys, self.values
 
-    def exact_positions(self) -> torch.Tensor:
-        return self.positions
+    def exact_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.positions, self.keys, self.values
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         pos = positions.to(torch.int32).to(self.positions.device).expand(k.shape[0], -1)

@@ -90,11 +90,11 @@ class KIVILayer(CompressedLayer):
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.dequantized_keys(), self.dequantized_values()
 
-    def exact_positions(self) -> torch.Tensor:
+    def exact_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The residual is exact; quantized tokens are not.
         h, r = self.k_res.shape[0], self.k_res.shape[1]
         pos = torch.arange(self.quantized_tokens, self.quantized_tokens + r, dtype=torch.int32)
-        return pos.expand(h, -1)
+        return pos.expand(h, -1), self.k_res, self.v_res
 
 
 class KIVI(Compressor):
