@@ -100,3 +100,20 @@ def test_cli_prompt_longer_than_context(tmp_path):
     long.write_text("the quick brown fox " * 3000)
     done = vericache_cli("generate", "--prompt-file", str(long), "--quiet")
     assert done.returncode == 2 and "does not fit the model's context of 8192" in done.stderr, done.stderr
+
+
+@pytest.mark.service
+@pytest.mark.parametrize("which", ["redis_url", "store_url"])
+def test_cli_store_backends_and_prefix_shared_across_processes(request, which):
+    import uuid
+
+    url = request.getfixturevalue(which)
+    args = ["generate", "--prompt-file", str(PROMPTS / "prose.txt"), "--max-new-tokens", "8", "--horizon", "4",
+            "--store", url, "--store-namespace", uuid.uuid4().hex, "--check", "--json", "--threads", "2", "--quiet"]
+    first, second = vericache_cli(*args), vericache_cli(*args)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:] + second.stderr[-2000:]
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert a["identical"] and b["identical"]
+    assert a["prefix_tokens_reused"] == 0
+    assert b["prefix_tokens_reused"] == a["prompt_tokens"] // 64 * 64  # every whole prompt chunk
+    assert a["fetch_bytes_per_verify"] > 0

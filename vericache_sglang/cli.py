@@ -30,7 +30,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "speculative rejection sampling (lossless in distribution)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--logprobs", action="store_true", help="report the verifier's logprob of each token")
-    p.add_argument("--store", default="memory://", help="full-KV store URL (default: embedded memory://)")
+    p.add_argument("--store", default="memory://",
+                   help="full-KV store URL: memory:// (default), redis[s]://, grpc[s]://, lmcache://; add "
+                        "?link_ratio=R or ?link_gbps=G to emulate a link")
+    p.add_argument("--store-namespace", default="default", help="tenant salt of the store keys")
     p.add_argument("--on-store-error", choices=("recompute", "fail"), default="recompute")
     p.add_argument("--check", action="store_true", help="also run full-KV decoding; report identity")
     p.add_argument("--lossy", action="store_true", help="also run lossy decoding with the compressed KV alone")
@@ -60,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     progress = not args.quiet
     engine = Engine(args.model, store=args.store, device=args.device, dtype=getattr(torch, args.dtype),
-                    progress=progress)
+                    namespace=args.store_namespace, progress=progress)
     tokens = engine.encode(prompt, chat=not args.raw)
     cfg = engine.config(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
                         horizon=args.horizon, verify=args.verify, logprobs=args.logprobs,
@@ -88,6 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                    if result.stats.fetch_bytes else 0),
         "fetch_wait_s": round(result.stats.fetch_wait_s, 3),
         "store_fallbacks": result.stats.store_fallbacks,
+        "store": engine.store_report(),
         "repetition": round(repetition(result.tokens), 4),
         "text": result.text,
     }

@@ -8,6 +8,7 @@ import torch
 
 from remote_store import open_store
 from remote_store.fullkv import DEFAULT_CHUNK_TOKENS, FullKVStore
+from remote_store.link import LinkEmulator
 from vericache_sglang.core.compress import Compressor, parse_spec
 from vericache_sglang.engine.decode import (
     GenerationConfig,
@@ -35,6 +36,16 @@ class Engine:
         backend = open_store(store, memory_bandwidth=lambda: memory_bandwidth(str(self.runner.device)))
         self.store = FullKVStore(backend, self.runner.layout, namespace, chunk_tokens)
         self.progress = progress
+
+    def store_report(self) -> dict[str, object]:
+        """The store URL and, behind a link emulator, the emulated link against the measured memory."""
+        backend = self.store.backend
+        report: dict[str, object] = {"url": backend.url.split("@")[-1]}
+        if isinstance(backend, LinkEmulator):
+            report.update(link_bandwidth_bytes_s=backend.bandwidth_bytes_s, link_ratio=backend.ratio,
+                          link_bytes_moved=backend.bytes_moved, link_transfer_s=round(backend.transfer_s, 4),
+                          memory_bandwidth_bytes_s=memory_bandwidth(str(self.runner.device)))
+        return report
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
