@@ -39,13 +39,16 @@ class FullKVFetch:
         self.started = time.monotonic()
         self.finished: float | None = None
         self._pending = pending_write
+        self.bytes_written = 0
         self._thread = threading.Thread(target=self._run, name="vericache-fetch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             if self._pending is not None:
+                before = self.request.stats.put_bytes
                 self.request.write(*self._pending)
+                self.bytes_written = self.request.stats.put_bytes - before
             for layer, k, v in self.request.fetch_layers(self.upto, held=self.held):
                 self._layers[layer] = (k, v)
                 self.arrival[layer] = time.monotonic()
@@ -73,6 +76,11 @@ class FullKVFetch:
     @property
     def bytes_fetched(self) -> int:
         return self.request.stats.last_fetch_bytes
+
+    @property
+    def bytes_moved(self) -> int:
+        """Everything this fetch put on the link: the commit it wrote and the KV it read."""
+        return self.bytes_written + self.bytes_fetched
 
 
 class ResidentFeed:

@@ -54,6 +54,7 @@ class VeriCacheRequest:
         self.resident: ResidentKV | None = None  # the recompute fallback, once the store has failed
         self._recompute = recompute
         self.feed: FullKVFetch | ResidentFeed | None = None
+        self.last_reload_bytes = 0
         self.drafts: list[int] = []
         self.draft_probs: list[torch.Tensor] = []
         self.x = 0
@@ -151,6 +152,7 @@ class VeriCacheRequest:
         stats.verify_passes += 1
         stats.fetch_wait_s += feed.wait_s
         stats.fetch_bytes.append(feed.bytes_fetched)
+        self.last_reload_bytes = getattr(feed, "bytes_moved", 0)
         n = len(self.tokens)
         positions = list(range(n - 1, n + len(self.drafts)))
         verdict = self._accept(out.logits, positions)

@@ -1,0 +1,102 @@
+"""A model-free simulation of the staggered scheduler under random arrivals: the rings never
+over-commit the link or the memory, nothing overtakes the queue, and no request starves."""
+
+import random
+
+import pytest
+
+from vericache_sglang.core.schedule import StaggeredScheduler
+
+ITER_S = 0.05
+LINK = 1e9  # bytes/s: one iteration moves 50 MB
+
+
+def simulate(seed: int, iterations: int, arrival_p: float, verifies: int, capacity: int, window: int = 32):
+    rng = random.Random(seed)
+    s = StaggeredScheduler(window, ITER_S, LINK, capacity)
+    active: dict[str, dict] = {}
+    order, admitted_order, waits, done = [], [], [], []
+    arrivals = 0
+    for _ in range(iterations):
+        if rng.random() < arrival_p:
+            rid = f"r{arrivals}"
+            arrivals += 1
+            size = int(rng.uniform(0.2, 3.0) * ITER_S * LINK)  # a reload of 0.2 to 3 iterations
+            active[rid] = {"size": size, "left": verifies, "since": s.now, "horizon": rng.choice([8, 16, 24])}
+            order.append(rid)
+            for res in s.admit(rid, size, active[rid]["horizon"] + 1).values():
+                admitted_order.append(res.request_id)
+                waits.append(s.now - active[res.request_id]["since"])
+        for res in s.retry_waiting().values():
+            admitted_order.append(res.request_id)
+            waits.append(s.now - active[res.request_id]["since"])
+        s.check()
+        starting = s.reloads_starting()
+        assert all(r.verify_at - r.reload_start >= 1 for r in starting)
+        for res in s.verifying():
+            s.complete(res.request_id)
+            info = active[res.request_id]
+            info["left"] -= 1
+            if info["left"] == 0:
+                done.append(res.request_id)
+                del active[res.request_id]
+                continue
+            info["since"] = s.now
+            for again in s.admit(res.request_id, info["size"], info["horizon"] + 1).values():
+                admitted_order.append(again.request_id)
+                waits.append(s.now - active[again.request_id]["since"])
+        s.tick()
+    return s, order, admitted_order, waits, done, active
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rings_never_overcommit_and_nothing_starves(seed):
+    s, order, admitted, waits, done, active = simulate(seed, 3000, arrival_p=0.05, verifies=6,
+                                                       capacity=int(4 * ITER_S * LINK))
+    assert len(done) > 100
+    assert max(waits) < 10 * s.window  # every wait is bounded
+    # whatever is still active has been waiting a bounded time
+    assert all(s.now - a["since"] < 10 * s.window for a in active.values())
+    first_admissions = [r for r in dict.fromkeys(admitted)]
+    assert first_admissions == order[: len(first_admissions)]  # nobody overtakes the queue
+
+
+def test_overload_queues_in_order_and_keeps_the_link_serial():
+    # Arrivals far beyond what the link can carry: the queue grows, the rings stay within bounds.
+    s, order, admitted, waits, done, active = simulate(7, 600, arrival_p=0.9, verifies=2,
+                                                       capacity=int(3 * ITER_S * LINK))
+    first_admissions = list(dict.fromkeys(admitted))
+    assert first_admissions == order[: len(first_admissions)]
+    assert len(s.waiting) > 0 and len(done) > 10
+
+
+def test_reloads_finish_before_their_verification_and_stagger():
+    s = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=10**12)
+    size = int(1.5 * ITER_S * LINK)  # 1.5 iterations of link time: spans 2 iterations
+    res = [s.admit(f"r{i}", size, 17)[f"r{i}"] for i in range(8)]
+    for r in res:
+        assert r.verify_at - r.reload_start == 2
+        assert r.reload_bytes / LINK <= (r.verify_at - r.reload_start) * ITER_S + 1e-9
+    verify_iterations = sorted(r.verify_at for r in res)
+    assert len(set(verify_iterations)) == len(res)  # no two verify together: the link would flood
+    s.check()
+
+
+def test_a_reload_longer_than_the_window_takes_the_whole_link_and_waits_for_it():
+    s = StaggeredScheduler(window=8, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=10**12)
+    small = s.admit("small", int(0.5 * ITER_S * LINK), 2)["small"]
+    assert s.admit("huge", int(20 * ITER_S * LINK), 4) == {}  # the link is not free for 7 iterations yet
+    for _ in range(small.verify_at + 1):
+        s.tick()
+    huge = s.retry_waiting()["huge"]
+    assert huge.verify_at - huge.reload_start == 7 and huge.link_s_per_iteration == ITER_S
+    s.check()
+
+
+def test_measured_bandwidth_changes_the_span():
+    s = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=10**12)
+    size = int(0.9 * ITER_S * LINK)
+    assert s.reload_span(size)[0] == 1
+    for _ in range(30):
+        s.observe_link(size, 3 * 0.9 * ITER_S)  # the link turned out 3x slower than assumed
+    assert s.reload_span(size)[0] == 3

@@ -1,0 +1,355 @@
+"""The batch engine: many requests decoded together, under a device-KV budget.
+
+Every iteration is one forward over all running requests' segments (their tokens share the
+matmuls; each attends to its own KV). Modes, all on the same runner and budget:
+
+- ``full_resident``: the full KV on the device; as many requests as their full KV fits run, the
+  rest wait (continuous batching).
+- ``full_offloaded``: the full KV in the store, streamed in for every decode step (layer by layer,
+  double-buffered, so a request holds 2/L of its full KV on the device); link-bound.
+- ``lossy``: the compressed KV alone.
+- ``vericache`` with ``schedule="lockstep"``: every request drafts x tokens, then all verify in the
+  same iteration (conventional speculative decoding; the reloads flood the link together).
+- ``vericache`` with ``schedule="staggered"``: the core scheduler (``core/schedule.py``) spreads the
+  verifications so a few reloads are in flight at once, each started early enough to finish
+  before its request's verify iteration, within the link and memory rings.
+
+The device here is whatever the runner runs on; "device bytes" are accounted, as a GPU's would be.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from remote_store.fullkv import FullKVStore
+from vericache_sglang.core.compress import Compressor
+from vericache_sglang.core.sampling import Sampler
+from vericache_sglang.core.schedule import StaggeredScheduler
+from vericache_sglang.engine.decode import recompute_full_kv
+from vericache_sglang.engine.fetch import FullKVFetch
+from vericache_sglang.engine.generation import GenerationConfig, GenerationResult, Output, Prefill
+from vericache_sglang.engine.request import VeriCacheRequest
+from vericache_sglang.engine.runner import DraftKV, ModelRunner, ResidentKV, Segment, SegmentOutput, StreamedKV
+
+MODES = ("full_resident", "full_offloaded", "lossy", "vericache")
+SCHEDULES = ("staggered", "lockstep")
+
+
+@dataclass
+class BatchConfig:
+    mode: str = "vericache"
+    schedule: str = "staggered"
+    kv_budget_bytes: int = 1 << 30
+    window: int = 64  # the scheduler's look-ahead, in iterations
+    max_running: int = 64
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choices: {', '.join(MODES)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choices: {', '.join(SCHEDULES)}")
+        if self.kv_budget_bytes <= 0:
+            raise ValueError(f"kv_budget_bytes must be > 0, got {self.kv_budget_bytes}")
+
+
+@dataclass
+class BatchStats:
+    iterations: int = 0
+    wall_s: float = 0.0
+    generated_tokens: int = 0
+    peak_running: int = 0
+    peak_device_bytes: int = 0
+    transfer_s: float = 0.0  # wall time fetches were in flight (summed per fetch)
+    stall_s: float = 0.0  # time iterations waited for a fetch to complete
+    fetched_bytes: int = 0
+    verify_passes: int = 0
+    waiting_iterations: int = 0  # request-iterations spent in the scheduler's waiting queue
+    iteration_s: list[float] = field(default_factory=list)
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def hidden_transfer_fraction(self) -> float:
+        """Share of full-KV transfer time hidden behind compute (1 - stall / transfer)."""
+        return 1.0 - self.stall_s / self.transfer_s if self.transfer_s else 0.0
+
+
+class _Plain:
+    """A request decoded one token per iteration on a resident, offloaded or compressed KV."""
+
+    def __init__(self, rid: str, pre: Prefill, cfg: GenerationConfig, method: str, tokenizer: object | None):
+        self.rid = rid
+        self.cfg = cfg
+        self.out = Output(method, cfg, tokenizer, None)
+        self.sampler = Sampler(cfg.sampling)
+        self.tokens = list(pre.tokens)
+        self.started = time.monotonic()
+        first = int(self.sampler.sample(pre.logits[None], [len(self.tokens)])[0])
+        self.out.commit([first], pre.logits[None])
+        self.tokens.append(first)
+
+    def take(self, out: SegmentOutput) -> None:
+        token = int(self.sampler.sample(out.logits, [len(self.tokens)])[0])
+        self.out.commit([token], out.logits)
+        self.tokens.append(token)
+        self.out.stats.decode_steps += 1
+
+    def result(self) -> GenerationResult:
+        self.out.stats.decode_s = time.monotonic() - self.started
+        return self.out.result()
+
+
+class BatchEngine:
+    def __init__(self, runner: ModelRunner, store: FullKVStore, compressor: Compressor, batch: BatchConfig,
+                 gen: GenerationConfig, tokenizer: object | None = None):
+        self.runner = runner
+        self.store = store
+        self.compressor = compressor
+        self.batch = batch
+        self.gen = gen
+        self.tokenizer = tokenizer
+        self.per_token = runner.layout.bytes_per_token
+        self.queue: list[tuple[str, Prefill]] = []
+        self.stats = BatchStats()
+        self.results: dict[str, GenerationResult] = {}
+
+    def submit(self, pre: Prefill, request_id: str) -> None:
+        self.queue.append((request_id, pre))
+
+    # device-byte accounting
+    def _full_reserve(self, pre: Prefill) -> int:
+        return (len(pre.tokens) + self.gen.max_new_tokens) * self.per_token
+
+    def _compressed_reserve(self, pre: Prefill) -> int:
+        # the compressed prompt plus every committed token's exact K/V (what an online update appends)
+        return self.compressor.compress(pre.kv, pre.obs).nbytes + self.gen.max_new_tokens * self.per_token
+
+    def _device_need(self, pre: Prefill) -> int:
+        mode = self.batch.mode
+        if mode == "full_resident":
+            return self._full_reserve(pre)
+        if mode == "full_offloaded":  # two layers' worth of its full KV in flight (double buffering)
+            return 2 * self._full_reserve(pre) // self.runner.layout.num_layers
+        if mode == "vericache" and self.batch.schedule == "lockstep":
+            # every request's reload is on the device at once, at each common verification
+            return self._compressed_reserve(pre) + self._full_reserve(pre)
+        return self._compressed_reserve(pre)
+
+    def run(self) -> dict[str, GenerationResult]:
+        start = time.monotonic()
+        link = self.store.backend
+        link_before = getattr(link, "transfer_s", None)
+        if self.batch.mode == "vericache":
+            self._run_vericache()
+        else:
+            self._run_plain()
+        self.stats.wall_s = time.monotonic() - start
+        if link_before is not None:
+            # A link is serial: its busy time is what transfers cost, however many overlapped.
+            self.stats.transfer_s = link.transfer_s - link_before
+        self.stats.generated_tokens = sum(len(r.tokens) for r in self.results.values())
+        return self.results
+
+    def _join(self, running: dict, used: int, reserve_for_reloads: int = 0) -> int:
+        """Move queued requests into the batch while their device bytes fit; return bytes in use."""
+        while self.queue and len(running) < self.batch.max_running:
+            rid, pre = self.queue[0]
+            need = self._device_need(pre)
+            if used + need + reserve_for_reloads > self.batch.kv_budget_bytes:
+                if not running:
+                    raise ValueError(f"request {rid} needs {need + reserve_for_reloads} device bytes; the budget "
+                                     f"is {self.batch.kv_budget_bytes}")
+                break
+            self.queue.pop(0)
+            running[rid] = (self._start(rid, pre), need)
+            used += need
+        return used
+
+    # full-KV resident, offloaded, lossy: one token per request per iteration
+    def _start(self, rid: str, pre: Prefill):
+        mode = self.batch.mode
+        if mode == "vericache":
+            return VeriCacheRequest(self.runner, pre, self.compressor, self.store, self.gen, self.tokenizer,
+                                    request_id=rid, recompute=lambda t: recompute_full_kv(self.runner, t))
+        req = _Plain(rid, pre, self.gen, mode, self.tokenizer)
+        if mode == "full_resident":
+            req.ctx = ResidentKV.from_full(pre.kv, len(pre.tokens) + self.gen.max_new_tokens, self.runner.device)
+        elif mode == "lossy":
+            req.ckv = self.compressor.compress(pre.kv, pre.obs)
+        else:
+            req.kv = self.store.open_request(pre.tokens, rid)
+            req.kv.extend_tokens(req.tokens[len(pre.tokens):])
+            req.pending = (0, pre.kv.layers)
+        return req
+
+    def _run_plain(self) -> None:
+        running: dict[str, tuple[_Plain, int]] = {}
+        used = self._join(running, 0)
+        layers = self.runner.layout.num_layers
+        while running:
+            t = time.monotonic()
+            segments, owners = [], []
+            for req, _ in running.values():
+                if req.out.stop.done:
+                    continue
+                pos = len(req.tokens) - 1
+                if self.batch.mode == "full_resident":
+                    ctx = req.ctx
+                elif self.batch.mode == "lossy":
+                    ctx = DraftKV(req.ckv)
+                else:
+                    req.feed = FullKVFetch(req.kv, pos, layers, req.pending, self.gen.fetch_timeout_s)
+                    req.pending = None
+                    ctx = StreamedKV(req.feed)
+                segments.append(Segment([req.tokens[-1]], [pos], ctx, logits="last"))
+                owners.append(req)
+            outs = self.runner.forward(segments)
+            for req, out in zip(owners, outs, strict=True):
+                pos = len(req.tokens) - 1
+                if self.batch.mode == "lossy":
+                    for layer, (k, v) in enumerate(out.kv):
+                        self.compressor.update(req.ckv, layer, k, v, torch.tensor([pos]))
+                elif self.batch.mode == "full_offloaded":
+                    self._account_fetch(req.feed, None, wait=True)
+                    req.pending = (pos, out.kv)  # written by the next step's fetch, before it reads
+                req.take(out)
+                if self.batch.mode == "full_offloaded":
+                    req.kv.extend_tokens(req.tokens[-1:])
+            self._end_iteration(t, running)
+            for rid in [r for r, (req, _) in running.items() if req.out.stop.done]:
+                req, need = running.pop(rid)
+                used -= need
+                if self.batch.mode == "full_offloaded":
+                    req.kv.release()
+                self.results[rid] = req.result()
+            used = self._join(running, used)
+
+    def _end_iteration(self, started: float, running: dict) -> None:
+        dt = time.monotonic() - started
+        self.stats.iterations += 1
+        self.stats.iteration_s.append(dt)
+        self.stats.peak_running = max(self.stats.peak_running, len(running))
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, sum(n for _, n in running.values()))
+
+    # VeriCache
+    def _run_vericache(self) -> None:
+        if self.batch.schedule == "lockstep":
+            return self._run_lockstep()
+        running: dict[str, tuple[VeriCacheRequest, int]] = {}
+        # room for the largest reload must stay free, or no verification could ever be scheduled
+        reload_reserve = max(self._full_reserve(p) for _, p in self.queue)
+        used = self._join(running, 0, reload_reserve)
+        sched = StaggeredScheduler(self.batch.window, iteration_s=0.05, link_bytes_s=self._link_estimate(),
+                                   memory_capacity=self.batch.kv_budget_bytes - used)
+        to_admit = list(running)
+        while running:
+            for rid in to_admit:
+                self._admit(sched, rid, running)
+            self._start_windows(sched, sched.retry_waiting(), running)
+            t = time.monotonic()
+            for res in sched.reloads_starting():
+                running[res.request_id][0].start_fetch()
+            verifying = {r.request_id for r in sched.verifying()}
+            segments, owners = [], []
+            for rid, (req, _) in running.items():
+                if rid in verifying:
+                    self.stats.stall_s += req.wait_fetch()
+                    segments.append(req.verify_segment())
+                    owners.append((rid, req, True))
+                elif rid in sched.reservations:
+                    if req.drafting:
+                        segments.append(req.draft_segment())
+                        owners.append((rid, req, False))
+                else:
+                    self.stats.waiting_iterations += 1
+            outs = self.runner.forward(segments) if segments else []
+            to_admit, finished = [], []
+            for (rid, req, is_verify), out in zip(owners, outs, strict=True):
+                if not is_verify:
+                    req.take_draft(out)
+                    continue
+                self._account_fetch(req.feed, sched)
+                req.take_verify(out)
+                sched.complete(rid)
+                self.stats.verify_passes += 1
+                (finished if req.done else to_admit).append(rid)
+            for rid in finished:
+                req, need = running.pop(rid)
+                used -= need
+                req.release()
+                self.results[rid] = req.result()
+            before = set(running)
+            used = self._join(running, used, reload_reserve)
+            to_admit += [rid for rid in running if rid not in before]
+            sched.set_memory_capacity(self.batch.kv_budget_bytes - used)
+            self._end_iteration(t, running)
+            sched.observe_iteration(time.monotonic() - t)
+            sched.tick()
+
+    def _link_estimate(self) -> float:
+        """The link's bandwidth before any fetch was measured: the emulator's setting, or a guess the
+        scheduler corrects from the first measured fetches."""
+        return getattr(self.store.backend, "bandwidth_bytes_s", None) or 1e10
+
+    def _account_fetch(self, feed, sched: StaggeredScheduler | None, wait: bool = False) -> None:
+        if not isinstance(feed, FullKVFetch):
+            return
+        feed.join()
+        duration = (feed.finished or time.monotonic()) - feed.started
+        self.stats.transfer_s += duration
+        self.stats.fetched_bytes += feed.bytes_fetched
+        if wait:
+            self.stats.stall_s += feed.wait_s
+        if sched is not None:
+            sched.observe_link(feed.bytes_moved, duration)
+
+    def _admit(self, sched: StaggeredScheduler, rid: str, running: dict) -> None:
+        """Schedule the request's next verification; every request admitted now starts drafting."""
+        req = running[rid][0]
+        # what the next reload moves: the last one's measured bytes (reads of the rows not held, and
+        # the commit it writes first), or the whole full KV before any was measured
+        moved = req.last_reload_bytes or req.full_kv_bytes()
+        self._start_windows(sched, sched.admit(rid, max(moved, 1), max(1, req.next_horizon())), running)
+
+    @staticmethod
+    def _start_windows(sched: StaggeredScheduler, admitted: dict, running: dict) -> None:
+        for res in admitted.values():
+            req = running[res.request_id][0]
+            req.begin_window(req.next_horizon(res.verify_at - sched.now))
+
+    def _run_lockstep(self) -> None:
+        running: dict[str, tuple[VeriCacheRequest, int]] = {}
+        used = self._join(running, 0)
+        while running:
+            reqs = [req for req, _ in running.values()]
+            x = max(req.next_horizon() for req in reqs)
+            for req in reqs:  # every reload starts together, and they share the link
+                req.start_fetch()
+                req.begin_window(req.next_horizon(x))
+            for _ in range(x):
+                t = time.monotonic()
+                drafting = [req for req in reqs if req.drafting]
+                outs = self.runner.forward([r.draft_segment() for r in drafting]) if drafting else []
+                for req, out in zip(drafting, outs, strict=True):
+                    req.take_draft(out)
+                self._end_iteration(t, running)
+            t = time.monotonic()
+            for req in reqs:
+                self.stats.stall_s += req.wait_fetch()
+            outs = self.runner.forward([req.verify_segment() for req in reqs])
+            for req, out in zip(reqs, outs, strict=True):
+                self._account_fetch(req.feed, None)
+                req.take_verify(out)
+                self.stats.verify_passes += 1
+            self._end_iteration(t, running)
+            for rid in [rid for rid, (req, _) in running.items() if req.done]:
+                req, need = running.pop(rid)
+                used -= need
+                req.release()
+                self.results[rid] = req.result()
+            used = self._join(running, used)
