@@ -63,7 +63,7 @@ def test_rings_never_overcommit_and_nothing_starves(seed):
 
 def test_overload_queues_in_order_and_keeps_the_link_serial():
     # Arrivals far beyond what the link can carry: the queue grows, the rings stay within bounds.
-    s, order, admitted, waits, done, active = simulate(7, 600, arrival_p=0.9, verifies=2,
+    s, order, admitted, _waits, done, _active = simulate(7, 600, arrival_p=0.9, verifies=2,
                                                        capacity=int(3 * ITER_S * LINK))
     first_admissions = list(dict.fromkeys(admitted))
     assert first_admissions == order[: len(first_admissions)]

@@ -140,6 +140,18 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    from vericache_sglang.bench.common import RESULTS
+
+    module = importlib.import_module(f"vericache_sglang.bench.{args.which}")
+    log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr))
+    summary = module.run(args.config, args.quick, args.out or RESULTS, log=log)
+    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
+    return 0 if summary.get("identical", True) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compressors", help="list the compressors, their parameters and defaults")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compressors)
+    p = sub.add_parser("bench", help="run a benchmark: longctx (long-context decoding) or prefix (remote prefixes)")
+    p.add_argument("which", choices=("longctx", "prefix"))
+    p.add_argument("--quick", action="store_true", help="the small configuration CI runs")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--config", type=Path, help="config file (default: benchmarks/configs/WHICH.json)")
+    p.add_argument("--out", type=Path, help="results folder (default: benchmarks/results)")
+    p.set_defaults(func=cmd_bench)
     p = sub.add_parser("model", help="prepare the default model's safetensors cache (SmolLM2-135M-Instruct)")
     p.set_defaults(func=cmd_model)
     return parser

@@ -62,11 +62,12 @@ class BatchStats:
     generated_tokens: int = 0
     peak_running: int = 0
     peak_device_bytes: int = 0
-    transfer_s: float = 0.0  # wall time fetches were in flight (summed per fetch)
+    transfer_s: float = 0.0  # wall time during which at least one full-KV fetch was in flight
     stall_s: float = 0.0  # time iterations waited for a fetch to complete
     fetched_bytes: int = 0
     verify_passes: int = 0
     waiting_iterations: int = 0  # request-iterations spent in the scheduler's waiting queue
+    max_verifies_per_iteration: int = 0  # how bunched verifications (and their reloads) are
     iteration_s: list[float] = field(default_factory=list)
 
     @property
@@ -77,6 +78,15 @@ class BatchStats:
     def hidden_transfer_fraction(self) -> float:
         """Share of full-KV transfer time hidden behind compute (1 - stall / transfer)."""
         return 1.0 - self.stall_s / self.transfer_s if self.transfer_s else 0.0
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 class _Plain:
@@ -117,6 +127,7 @@ class BatchEngine:
         self.queue: list[tuple[str, Prefill]] = []
         self.stats = BatchStats()
         self.results: dict[str, GenerationResult] = {}
+        self._fetch_intervals: list[tuple[float, float]] = []
 
     def submit(self, pre: Prefill, request_id: str) -> None:
         self.queue.append((request_id, pre))
@@ -142,16 +153,12 @@ class BatchEngine:
 
     def run(self) -> dict[str, GenerationResult]:
         start = time.monotonic()
-        link = self.store.backend
-        link_before = getattr(link, "transfer_s", None)
         if self.batch.mode == "vericache":
             self._run_vericache()
         else:
             self._run_plain()
         self.stats.wall_s = time.monotonic() - start
-        if link_before is not None:
-            # A link is serial: its busy time is what transfers cost, however many overlapped.
-            self.stats.transfer_s = link.transfer_s - link_before
+        self.stats.transfer_s = _union_length(self._fetch_intervals)
         self.stats.generated_tokens = sum(len(r.tokens) for r in self.results.values())
         return self.results
 
@@ -255,6 +262,7 @@ class BatchEngine:
             for res in sched.reloads_starting():
                 running[res.request_id][0].start_fetch()
             verifying = {r.request_id for r in sched.verifying()}
+            self.stats.max_verifies_per_iteration = max(self.stats.max_verifies_per_iteration, len(verifying))
             segments, owners = [], []
             for rid, (req, _) in running.items():
                 if rid in verifying:
@@ -301,7 +309,7 @@ class BatchEngine:
             return
         feed.join()
         duration = (feed.finished or time.monotonic()) - feed.started
-        self.stats.transfer_s += duration
+        self._fetch_intervals.append((feed.started, feed.started + duration))
         self.stats.fetched_bytes += feed.bytes_fetched
         if wait:
             self.stats.stall_s += feed.wait_s
@@ -339,6 +347,7 @@ class BatchEngine:
                     req.take_draft(out)
                 self._end_iteration(t, running)
             t = time.monotonic()
+            self.stats.max_verifies_per_iteration = max(self.stats.max_verifies_per_iteration, len(reqs))
             for req in reqs:
                 self.stats.stall_s += req.wait_fetch()
             outs = self.runner.forward([req.verify_segment() for req in reqs])

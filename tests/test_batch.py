@@ -1,0 +1,89 @@
+"""The batch engine on the tiny model: every mode decodes every request exactly as full-KV
+decoding does (lossy aside), within the device budget, with continuous batching."""
+
+import pytest
+import torch
+
+from remote_store.backends.memory import MemoryStore
+from remote_store.fullkv import FullKVStore
+from remote_store.link import LinkEmulator
+from vericache_sglang.core.compress import parse_spec
+from vericache_sglang.core.sampling import SamplingParams
+from vericache_sglang.engine.batch import BatchConfig, BatchEngine
+from vericache_sglang.engine.decode import GenerationConfig, generate_full, prefill
+from vericache_sglang.engine.engine import compare
+
+SPEC = "snapkv:ratio=0.25,window=16"
+
+
+@pytest.fixture(scope="module")
+def pres(tiny_runner):
+    g = torch.Generator().manual_seed(5)
+    return [prefill(tiny_runner, torch.randint(0, 512, (int(n),), generator=g).tolist())
+            for n in (300, 250, 320, 280, 310)]
+
+
+def gen(**kw):
+    return GenerationConfig(max_new_tokens=24, horizon=6, keep_logits=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_runner, pres):
+    return [generate_full(tiny_runner, p, gen()) for p in pres]
+
+
+def run_batch(runner, pres, mode, schedule="staggered", budget_units=2.5, cfg=None, link_bytes_s=5e8):
+    unit = (320 + 24) * runner.layout.bytes_per_token
+    store = FullKVStore(LinkEmulator(MemoryStore(), link_bytes_s), runner.layout, chunk_tokens=32)
+    engine = BatchEngine(runner, store, parse_spec(SPEC),
+                         BatchConfig(mode=mode, schedule=schedule, kv_budget_bytes=int(budget_units * unit),
+                                     window=48), cfg or gen())
+    for i, p in enumerate(pres):
+        engine.submit(p, f"r{i}")
+    out = engine.run()
+    return [out[f"r{i}"] for i in range(len(pres))], engine
+
+
+@pytest.mark.parametrize("mode,schedule", [("full_resident", "staggered"), ("full_offloaded", "staggered"),
+                                           ("vericache", "lockstep"), ("vericache", "staggered")])
+def test_every_exact_mode_is_identical_to_full_kv(tiny_runner, pres, refs, mode, schedule, exactness):
+    outs, engine = run_batch(tiny_runner, pres, mode, schedule)
+    for i, (ref, out) in enumerate(zip(refs, outs, strict=True)):
+        cmp = compare(ref, out)
+        exactness(f"tiny batch {mode}/{schedule} request {i}", cmp)
+        assert cmp["identical"], (i, cmp)
+    assert engine.stats.peak_device_bytes <= engine.batch.kv_budget_bytes
+    assert engine.stats.generated_tokens == 5 * 24
+
+
+def test_budget_limits_resident_concurrency_but_not_vericache(tiny_runner, pres):
+    _, resident = run_batch(tiny_runner, pres, "full_resident", budget_units=2.5)
+    _, vericache = run_batch(tiny_runner, pres, "vericache", "staggered", budget_units=2.5)
+    assert resident.stats.peak_running == 2  # two full KVs fit
+    assert vericache.stats.peak_running == 5  # every compressed KV fits, one reload kept in reserve
+
+
+def test_staggered_verifications_spread_while_lockstep_bunches(tiny_runner, pres):
+    # A slow link (each reload takes several iterations): the link ring allows one reload at a time.
+    _, lock = run_batch(tiny_runner, pres, "vericache", "lockstep", budget_units=20, link_bytes_s=2e7)
+    _, stag = run_batch(tiny_runner, pres, "vericache", "staggered", budget_units=20, link_bytes_s=2e7)
+    assert lock.stats.peak_running == stag.stats.peak_running == 5
+    assert lock.stats.max_verifies_per_iteration == 5  # all five reloads land on the link together
+    assert stag.stats.max_verifies_per_iteration < 5
+
+
+def test_seeded_sampling_in_a_batch_is_identical(tiny_runner, pres, exactness):
+    cfg = gen(sampling=SamplingParams(temperature=0.8, seed=3))
+    refs = [generate_full(tiny_runner, p, cfg) for p in pres[:3]]
+    outs, _ = run_batch(tiny_runner, pres[:3], "vericache", "staggered", cfg=cfg)
+    for ref, out in zip(refs, outs, strict=True):
+        cmp = compare(ref, out)
+        exactness("tiny batch sampled T=0.8 staggered", cmp)
+        assert cmp["identical"], cmp
+
+
+def test_a_request_larger_than_the_budget_is_a_clear_error(tiny_runner, pres):
+    with pytest.raises(ValueError, match="budget"):
+        run_batch(tiny_runner, pres[:1], "full_resident", budget_units=0.5)
+    with pytest.raises(ValueError, match="unknown mode"):
+        BatchConfig(mode="fast")

@@ -1,0 +1,1 @@
+"""Benchmarks behind `vericache bench`; configs and results live in benchmarks/."""

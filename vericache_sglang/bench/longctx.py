@@ -1,0 +1,135 @@
+"""Long-context decoding: full KV resident, full KV offloaded and fetched every step, lossy,
+VeriCache lock-step, VeriCache staggered, on the same runner, requests, budget and link.
+
+Parameters come from a config file fixed before measuring (``benchmarks/configs/longctx.json``).
+Budgets are in units of one request's full KV; links are emulated at a ratio of this machine's
+measured memory bandwidth. Every VeriCache and offloaded output is checked token by token against
+full-KV decoding. Writes ``longctx.json``, ``longctx.md`` and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from remote_store.backends.memory import MemoryStore
+from remote_store.fullkv import FullKVStore
+from remote_store.link import LinkEmulator
+from vericache_sglang.bench.common import load_config, plot_lines, prompts_for, table
+from vericache_sglang.core.compress import parse_spec
+from vericache_sglang.engine.batch import BatchConfig, BatchEngine
+from vericache_sglang.engine.engine import Engine, compare
+from vericache_sglang.engine.hardware import memory_bandwidth
+
+MODES = {
+    "full_resident": ("full_resident", "staggered"),
+    "full_offloaded": ("full_offloaded", "staggered"),
+    "lossy": ("lossy", "staggered"),
+    "vericache_lockstep": ("vericache", "lockstep"),
+    "vericache_staggered": ("vericache", "staggered"),
+}
+EXACT_MODES = ("full_offloaded", "vericache_lockstep", "vericache_staggered")
+
+
+def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | None = None, log=print) -> dict:
+    cfg = load_config("longctx", config_path, quick)
+    torch.set_num_threads(cfg["threads"])
+    engine = Engine(cfg["model"])
+    runner = engine.runner
+    gen = engine.config(max_new_tokens=cfg["new_tokens"], horizon=cfg["horizon"], keep_logits=True)
+    compressor = parse_spec(cfg["compressor"])
+    prompts = prompts_for(engine, cfg["prompts"], cfg["requests"])
+    t = time.monotonic()
+    pres = [engine.prefill(p, reuse_prefix=False) for p in prompts]
+    log(f"prefilled {len(pres)} requests ({sum(len(p.tokens) for p in pres)} tokens) in {time.monotonic() - t:.1f} s")
+    mem_bw = memory_bandwidth(str(runner.device))
+    unit = max((len(p.tokens) + cfg["new_tokens"]) * runner.layout.bytes_per_token for p in pres)
+    points = sorted({(b, cfg["default_link_ratio"]) for b in cfg["budgets_full_kv"]}
+                    | {(cfg["default_budget_full_kv"], r) for r in cfg["link_ratios"]})
+    rows, reference = [], None
+    for budget_units, ratio in points:
+        budget = int(budget_units * unit)
+        for name, (mode, schedule) in MODES.items():
+            link = LinkEmulator(MemoryStore(), mem_bw / ratio, ratio=ratio)
+            store = FullKVStore(link, runner.layout, namespace=uuid.uuid4().hex, chunk_tokens=cfg["chunk_tokens"])
+            batch = BatchEngine(runner, store, compressor,
+                                BatchConfig(mode=mode, schedule=schedule, kv_budget_bytes=budget, window=cfg["window"]),
+                                gen, engine.tokenizer)
+            for i, pre in enumerate(pres):
+                batch.submit(pre, f"r{i}")
+            results = batch.run()
+            outputs = [results[f"r{i}"] for i in range(len(pres))]
+            if reference is None and name == "full_resident":
+                reference = outputs
+            cmps = [compare(ref, out) for ref, out in zip(reference, outputs, strict=True)]
+            st = batch.stats
+            row = {
+                "mode": name, "budget_full_kv": budget_units, "budget_bytes": budget, "link_ratio": ratio,
+                "link_bytes_s": mem_bw / ratio, "memory_bytes_s": mem_bw,
+                "throughput_tok_s": st.throughput_tok_s, "generated_tokens": st.generated_tokens,
+                "wall_s": st.wall_s, "iterations": st.iterations, "peak_running": st.peak_running,
+                "verify_passes": st.verify_passes, "fetched_bytes": st.fetched_bytes,
+                "transfer_s": st.transfer_s, "stall_s": st.stall_s,
+                "hidden_transfer_fraction": st.hidden_transfer_fraction if st.transfer_s else None,
+                "waiting_iterations": st.waiting_iterations,
+                "identical": all(c["identical"] for c in cmps),
+                "max_logit_abs_diff": max((c["max_logit_abs_diff"] or 0.0) for c in cmps),
+                "mean_accepted_length": _mean([o.stats.mean_accepted_length for o in outputs if o.stats.committed]),
+            }
+            rows.append(row)
+            log(f"budget {budget_units}x ratio {ratio:>4}: {name:<20} {row['throughput_tok_s']:7.2f} tok/s "
+                f"running<= {row['peak_running']} identical={row['identical']} "
+                f"hidden={_fmt(row['hidden_transfer_fraction'])}")
+    summary = _summary(cfg, rows)
+    if out_dir is not None:
+        _write(out_dir, cfg, rows, summary, quick)
+    return summary
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _summary(cfg: dict, rows: list[dict]) -> dict:
+    default = [r for r in rows if r["budget_full_kv"] == cfg["default_budget_full_kv"]
+               and r["link_ratio"] == cfg["default_link_ratio"]]
+    by_mode = {r["mode"]: r for r in default}
+    staggered = by_mode["vericache_staggered"]
+    return {
+        "identical": all(r["identical"] for r in rows if r["mode"] in EXACT_MODES),
+        "throughput_tok_s": {m: round(r["throughput_tok_s"], 3) for m, r in by_mode.items()},
+        "hidden_transfer_fraction": staggered["hidden_transfer_fraction"],
+        "budget_full_kv": cfg["default_budget_full_kv"], "link_ratio": cfg["default_link_ratio"],
+        "link_bytes_s": staggered["link_bytes_s"], "memory_bytes_s": staggered["memory_bytes_s"],
+        "compressor": cfg["compressor"], "horizon": cfg["horizon"], "requests": cfg["requests"],
+        "new_tokens": cfg["new_tokens"],
+    }
+
+
+def _write(out_dir: Path, cfg: dict, rows: list[dict], summary: dict, quick: bool) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "longctx_quick" if quick else "longctx"
+    (out_dir / f"{stem}.json").write_text(json.dumps({"config": cfg, "rows": rows, "summary": summary}, indent=2))
+    cols = ["mode", "budget_full_kv", "link_ratio", "throughput_tok_s", "peak_running", "identical",
+            "mean_accepted_length", "hidden_transfer_fraction", "stall_s", "transfer_s", "wall_s"]
+    md = [f"Long-context decoding, {cfg['requests']} requests x {cfg['new_tokens']} new tokens, "
+          f"`{cfg['compressor']}`, x={cfg['horizon']}; budgets in full-KV units "
+          f"({rows[0]['budget_bytes'] / rows[0]['budget_full_kv'] / 2**20:.0f} MiB each); memory "
+          f"{rows[0]['memory_bytes_s'] / 1e9:.1f} GB/s measured, links at the ratios shown.", "",
+          table(rows, cols)]
+    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    ratio0, budget0 = cfg["default_link_ratio"], cfg["default_budget_full_kv"]
+    plot_lines(out_dir / f"{stem}_budget.png", rows, x="budget_full_kv", series="mode",
+               where=lambda r: r["link_ratio"] == ratio0, xlabel="device KV budget (full KVs)",
+               title=f"Throughput against budget (link ratio {ratio0})")
+    plot_lines(out_dir / f"{stem}_link.png", rows, x="link_ratio", series="mode",
+               where=lambda r: r["budget_full_kv"] == budget0, xlabel="memory / link bandwidth ratio",
+               title=f"Throughput against link ratio (budget {budget0} full KVs)", logx=True)
