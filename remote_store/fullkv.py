@@ -161,6 +161,24 @@ class RequestKV:
     def extend_tokens(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)
 
+    def adopt_prefix(self, n: int) -> None:
+        """Take the stored shared chunks of ``tokens[:n]`` (whole prompt chunks) as this request's first
+        ``n`` positions, pinned like its own. Raises StoreError if any is missing."""
+        store = self.store
+        with self._lock:
+            if self.stored:
+                raise ValueError("adopt_prefix comes before any write")
+            if n % store.chunk_tokens or n > self.shared_end:
+                raise ValueError(f"a prefix of {n} tokens is not whole shared chunks of this prompt "
+                                 f"(chunks of {store.chunk_tokens}, {self.shared_end} shareable)")
+            keys = [store.key(r, layer) for r in store.refs(self.tokens, n) for layer in range(store.layout.num_layers)]
+            store.backend.pin(keys)
+            if not all(store.backend.exists_many(keys)):
+                store.backend.unpin(keys)
+                raise StoreError(f"the prefix of {n} tokens is not (all) in the store")
+            self._pinned.extend(keys)
+            self.stored = n
+
     def write(self, start: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
               skip_existing_shared: bool = True) -> None:
         """Store the exact KV of positions ``[start, start + n)``; ``start`` must be ``stored``."""

@@ -6,6 +6,7 @@ after RoPE, so a kept token keeps its original rotation wherever it sits in a co
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -137,3 +138,7 @@ class CompressedKV:
 
     def tokens_per_layer(self) -> list[int]:
         return [layer.num_tokens for layer in self.layers]
+
+    def clone(self) -> CompressedKV:
+        """A deep copy (a shared prefix's compressed KV is copied into each request that uses it)."""
+        return copy.deepcopy(self)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -35,6 +36,9 @@ from vericache_sglang.engine.generation import (
 from vericache_sglang.engine.request import VeriCacheRequest
 from vericache_sglang.engine.runner import DraftKV, ModelRunner, ResidentKV, Segment, Timeline
 
+if TYPE_CHECKING:
+    from vericache_sglang.engine.prefix import RegisteredPrefix
+
 __all__ = [
     "GenerationConfig",
     "GenerationResult",
@@ -44,8 +48,10 @@ __all__ = [
     "generate_full",
     "generate_lossy",
     "generate_vericache",
+    "generate_vericache_from_prefix",
     "prefill",
     "recompute_full_kv",
+    "run_request",
 ]
 
 OBS_WINDOW = 64  # prefill queries kept for scoring compressors
@@ -147,7 +153,27 @@ def generate_vericache(
     """
     req = VeriCacheRequest(runner, pre, compressor, store, cfg, tokenizer, on_commit, request_id,
                            recompute=lambda tokens: recompute_full_kv(runner, tokens))
-    bar = tqdm(total=cfg.max_new_tokens, desc="vericache", unit="tok", disable=not progress, leave=False)
+    return run_request(runner, req, timings, progress)
+
+
+def generate_vericache_from_prefix(
+    runner: ModelRunner, prefix: RegisteredPrefix, prompt: list[int], compressor: Compressor,
+    store: FullKVStore, cfg: GenerationConfig, tokenizer: object | None = None,
+    on_commit: Callable[[list[int]], None] | None = None, request_id: str | None = None,
+) -> tuple[GenerationResult, VeriCacheRequest]:
+    """VeriCache for a prompt that starts with a registered prefix: no prefill; drafting starts at
+    once over the prefix's compressed KV, and the first verification recomputes the prompt's own
+    tokens over the prefix's full KV."""
+    req = VeriCacheRequest(runner, None, compressor, store, cfg, tokenizer, on_commit, request_id,
+                           recompute=lambda tokens: recompute_full_kv(runner, tokens), prompt=prompt,
+                           prefix_ckv=prefix.ckv.clone(), prefix_len=len(prefix.tokens))
+    return run_request(runner, req), req
+
+
+def run_request(runner: ModelRunner, req: VeriCacheRequest, timings: list[VerifyTiming] | None = None,
+                progress: bool = False) -> GenerationResult:
+    """Step one request to the end: fetch, draft, verify (consuming the full KV layer by layer)."""
+    bar = tqdm(total=req.cfg.max_new_tokens, desc="vericache", unit="tok", disable=not progress, leave=False)
     bar.update(len(req.out.stop.tokens))
     try:
         while not req.done:

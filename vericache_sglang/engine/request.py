@@ -17,6 +17,7 @@ import torch
 from remote_store.fullkv import FullKVStore
 from vericache_sglang.core.accept import Verdict, greedy_accept, rejection_accept
 from vericache_sglang.core.compress import Compressor
+from vericache_sglang.core.kv import CompressedKV
 from vericache_sglang.core.sampling import STREAM_DRAFT, Sampler
 from vericache_sglang.engine.fetch import FetchError, FullKVFetch, ResidentFeed
 from vericache_sglang.engine.generation import GenerationConfig, GenerationResult, Output, Prefill, VerifyTiming
@@ -34,10 +35,16 @@ log = logging.getLogger(__name__)
 
 
 class VeriCacheRequest:
-    def __init__(self, runner: ModelRunner, pre: Prefill, compressor: Compressor, store: FullKVStore,
+    """A request's tokens are all committed (prompt and verified output); ``exact_upto`` of them have
+    their exact K/V in the store. Normally that is all but the last; after a compressed prefix,
+    the prompt's own tokens past it are committed but not yet exact: the first verification
+    recomputes them along with the drafts (they were drafted over the compressed prefix)."""
+
+    def __init__(self, runner: ModelRunner, pre: Prefill | None, compressor: Compressor, store: FullKVStore,
                  cfg: GenerationConfig, tokenizer: object | None = None,
                  on_commit: Callable[[list[int]], None] | None = None, request_id: str | None = None,
-                 recompute: Callable[[list[int]], ResidentKV] | None = None):
+                 recompute: Callable[[list[int]], ResidentKV] | None = None, *,
+                 prompt: list[int] | None = None, prefix_ckv: CompressedKV | None = None, prefix_len: int = 0):
         self.runner = runner
         self.compressor = compressor
         self.cfg = cfg
@@ -46,22 +53,35 @@ class VeriCacheRequest:
         self.sampler = Sampler(cfg.sampling)
         self.rejection = cfg.verify == "rejection" and not cfg.sampling.greedy
         self.started = time.monotonic()
-        self.ckv = compressor.compress(pre.kv, pre.obs)
-        self.kv = store.open_request(pre.tokens, request_id)
-        self.request_id = self.kv.request_id
-        self.tokens = list(pre.tokens)
-        self.pending: tuple[int, list] | None = (0, pre.kv.layers)  # the prompt, written by the first fetch
         self.resident: ResidentKV | None = None  # the recompute fallback, once the store has failed
         self._recompute = recompute
         self.feed: FullKVFetch | ResidentFeed | None = None
         self.last_reload_bytes = 0
+        self.first_token_s: float | None = None  # time to the first committed token
         self.drafts: list[int] = []
         self.draft_probs: list[torch.Tensor] = []
         self.x = 0
         self._draft_ctx: DraftKV | None = None
-        self.stats.prefill_s = pre.seconds
-        first = int(self.sampler.sample(pre.logits[None], [len(self.tokens)])[0])
-        self._commit([first], pre.logits[None])
+        if pre is not None:
+            self.ckv = compressor.compress(pre.kv, pre.obs)
+            self.kv = store.open_request(pre.tokens, request_id)
+            self.tokens = list(pre.tokens)
+            self.exact_upto = len(self.tokens)
+            self.pending: tuple[int, list] | None = (0, pre.kv.layers)  # written by the first fetch
+            self.stats.prefill_s = pre.seconds
+            first = int(self.sampler.sample(pre.logits[None], [len(self.tokens)])[0])
+            self._commit([first], pre.logits[None])
+        else:
+            if prompt is None or prefix_ckv is None or not 0 < prefix_len < len(prompt):
+                raise ValueError("a request without a prefill needs its prompt, a compressed prefix and its "
+                                 "length (shorter than the prompt)")
+            self.ckv = prefix_ckv  # the caller's copy: updates change it
+            self.kv = store.open_request(prompt, request_id)
+            self.kv.adopt_prefix(prefix_len)
+            self.tokens = list(prompt)
+            self.exact_upto = prefix_len
+            self.pending = None
+        self.request_id = self.kv.request_id
 
     @property
     def done(self) -> bool:
@@ -69,8 +89,8 @@ class VeriCacheRequest:
 
     @property
     def context_tokens(self) -> int:
-        """Positions whose KV exists (the last committed token is the next input)."""
-        return len(self.tokens) - 1
+        """Positions whose exact KV exists (in the store, or resident after a fallback)."""
+        return self.exact_upto
 
     def next_horizon(self, horizon: int | None = None) -> int:
         """The draft length for the next window: the horizon, cut so nothing past the end is drafted."""
@@ -82,12 +102,11 @@ class VeriCacheRequest:
 
     # fetch
     def start_fetch(self) -> None:
-        n = len(self.tokens)
         if self.resident is not None:
             self.feed = ResidentFeed(self.resident.to_full())
         else:
             # The rows the compressed KV holds bit-exactly need not cross the link again.
-            self.feed = FullKVFetch(self.kv, n - 1, self.runner.layout.num_layers, self.pending,
+            self.feed = FullKVFetch(self.kv, self.exact_upto, self.runner.layout.num_layers, self.pending,
                                     self.cfg.fetch_timeout_s, held=lambda layer: self.ckv.layers[layer].exact_kv())
         self.pending = None
 
@@ -108,7 +127,7 @@ class VeriCacheRequest:
             raise FetchError(f"verification failed, no unverified token emitted: {error}") from error
         log.warning("request %s: full-KV fetch failed (%s); recomputing the full KV", self.request_id, error)
         self.stats.store_fallbacks += 1
-        self.resident = self._recompute(self.tokens[:-1])
+        self.resident = self._recompute(self.tokens[: self.exact_upto])
         self.feed = ResidentFeed(self.resident.to_full())
 
     # drafting
@@ -123,8 +142,10 @@ class VeriCacheRequest:
         return len(self.drafts) < self.x and not eos
 
     def draft_segment(self) -> Segment:
-        token = self.drafts[-1] if self.drafts else self.tokens[-1]
-        return Segment([token], [len(self.tokens) - 1 + len(self.drafts)], self._draft_ctx, logits="last")
+        if not self.drafts:  # the committed tokens without exact KV (usually just the last one)
+            return Segment(self.tokens[self.exact_upto :], list(range(self.exact_upto, len(self.tokens))),
+                           self._draft_ctx, logits="last")
+        return Segment([self.drafts[-1]], [len(self.tokens) - 1 + len(self.drafts)], self._draft_ctx, logits="last")
 
     def take_draft(self, out: SegmentOutput) -> None:
         pos = len(self.tokens) + len(self.drafts)  # the drafted token's position
@@ -138,9 +159,8 @@ class VeriCacheRequest:
 
     # verification
     def verify_segment(self) -> Segment:
-        n = len(self.tokens)
-        return Segment([self.tokens[-1], *self.drafts], list(range(n - 1, n + len(self.drafts))),
-                       StreamedKV(self.feed))
+        inputs = [*self.tokens[self.exact_upto :], *self.drafts]
+        return Segment(inputs, list(range(self.exact_upto, self.exact_upto + len(inputs))), StreamedKV(self.feed))
 
     def take_verify(self, out: SegmentOutput, timeline: Timeline | None = None,
                     timings: list[VerifyTiming] | None = None) -> Verdict:
@@ -153,20 +173,25 @@ class VeriCacheRequest:
         stats.fetch_wait_s += feed.wait_s
         stats.fetch_bytes.append(feed.bytes_fetched)
         self.last_reload_bytes = getattr(feed, "bytes_moved", 0)
-        n = len(self.tokens)
-        positions = list(range(n - 1, n + len(self.drafts)))
-        verdict = self._accept(out.logits, positions)
-        j = len(verdict.tokens)  # inputs [0, j) were right: their K/V is exact
-        exact = [(k[:, :j], v[:, :j]) for k, v in out.kv]
+        n, q = len(self.tokens), len(self.tokens) - self.exact_upto
+        logits = out.logits[q - 1 :]  # the rows that predict positions n, n + 1, ...
+        verdict = self._accept(logits, list(range(n - 1, n + len(self.drafts))))
+        taken = self._commit(verdict.tokens, logits[: len(verdict.tokens)])
+        # Inputs whose K/V is now exact and committed: the q committed inputs, then the drafts up to
+        # (not including) the last committed token, which is the next input.
+        m = q + taken - 1
+        exact = [(k[:, :m], v[:, :m]) for k, v in out.kv]
+        positions = torch.arange(self.exact_upto, self.exact_upto + m)
         for layer, (k, v) in enumerate(exact):
-            self.compressor.update(self.ckv, layer, k, v, torch.tensor(positions[:j]))
+            self.compressor.update(self.ckv, layer, k, v, positions)
         if self.resident is not None:
             self.resident.extend(exact)
         else:
-            self.pending = (n - 1, exact)
+            self.pending = (self.exact_upto, exact)
+        self.exact_upto += m
         stats.drafted.append(len(self.drafts))
         stats.accepted.append(verdict.accepted)
-        stats.committed.append(self._commit(verdict.tokens, out.logits[:j]))
+        stats.committed.append(taken)
         self.drafts, self.draft_probs, self._draft_ctx = [], [], None
         return verdict
 
@@ -179,6 +204,8 @@ class VeriCacheRequest:
 
     def _commit(self, tokens: list[int], logits: torch.Tensor) -> int:
         taken = self.out.commit(tokens, logits)
+        if self.first_token_s is None and taken:
+            self.first_token_s = time.monotonic() - self.started
         self.tokens.extend(tokens[:taken])
         self.kv.extend_tokens(tokens[:taken])
         return taken
