@@ -1,0 +1,145 @@
+"""Remote prefix caching: one shared document whose full KV is in the store, requests that reuse it.
+
+Fetch-then-decode moves the document's full KV over the slow link, prefills the request's own
+tokens over it and decodes with the full KV. VeriCache drafts at once over the document's
+compressed KV (kept next to the prefix index; its one-time shipment over the slow link is reported
+apart) and verifies next to the store, over the fast link. Time to first token and throughput
+for both, every output checked against fetch-then-decode token by token. Writes ``prefix.json``,
+``prefix.md`` and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from remote_store.backends.memory import MemoryStore
+from remote_store.fullkv import FullKVStore
+from remote_store.link import LinkEmulator
+from vericache_sglang.bench.common import PROMPTS, load_config, table
+from vericache_sglang.core.compress import parse_spec
+from vericache_sglang.engine.decode import generate_full, generate_vericache_from_prefix, prefill
+from vericache_sglang.engine.engine import Engine, compare
+from vericache_sglang.engine.hardware import memory_bandwidth
+from vericache_sglang.engine.prefix import PrefixRegistry
+
+
+def _document(name: str) -> str:
+    text = (PROMPTS / f"{name}.txt").read_text()
+    return text.rsplit("\n\n", 1)[0]  # the document without the prompt file's closing instruction
+
+
+def _common_prefix(seqs: list[list[int]]) -> list[int]:
+    n = min(len(s) for s in seqs)
+    i = next((i for i in range(n) if len({s[i] for s in seqs}) > 1), n)
+    return seqs[0][:i]
+
+
+def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | None = None, log=print) -> dict:
+    cfg = load_config("prefix", config_path, quick)
+    torch.set_num_threads(cfg["threads"])
+    engine = Engine(cfg["model"])
+    runner, tok = engine.runner, engine.tokenizer
+    doc = _document(cfg["document"])
+    questions = [cfg["questions"][i % len(cfg["questions"])] for i in range(cfg["requests"])]
+    prompts = [engine.encode(f"{doc}\n\nQuestion: {q}") for q in questions]
+    shared = _common_prefix(prompts) if len(prompts) > 1 else prompts[0][:-8]
+    mem_bw = memory_bandwidth(str(runner.device))
+    backend, ns = MemoryStore(), uuid.uuid4().hex
+    slow_link = LinkEmulator(backend, mem_bw / cfg["slow_link_ratio"], ratio=cfg["slow_link_ratio"])
+    fast_link = LinkEmulator(backend, mem_bw / cfg["fast_link_ratio"], ratio=cfg["fast_link_ratio"])
+    views = [FullKVStore(b, runner.layout, namespace=ns, chunk_tokens=cfg["chunk_tokens"])
+             for b in (backend, slow_link, fast_link)]
+    local, slow, fast = views
+    compressor = parse_spec(cfg["compressor"])
+    prefix = PrefixRegistry(runner, local, compressor).register(shared)
+    log(f"document: {len(prefix.tokens)} tokens registered in {prefix.seconds:.1f} s "
+        f"(full KV {prefix.full_kv_bytes / 2**20:.1f} MiB, compressed {prefix.compressed_kv_bytes / 2**20:.1f} MiB)")
+    gen = engine.config(max_new_tokens=cfg["new_tokens"], horizon=cfg["horizon"], keep_logits=True)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        t0 = time.monotonic()
+        full_prefix = slow.load_prefix(prompt, len(prefix.tokens))
+        fetch_s = time.monotonic() - t0
+        pre = prefill(runner, prompt, prefix=full_prefix)
+        ttft_fd = time.monotonic() - t0  # the first token is drawn from the prefill's logits
+        ref = generate_full(runner, pre, gen, tok)
+        total_fd = time.monotonic() - t0
+        transfer_before = fast_link.transfer_s
+        t1 = time.monotonic()
+        res, req = generate_vericache_from_prefix(runner, prefix, prompt, compressor, fast, gen, tok)
+        total_vc = time.monotonic() - t1
+        cmp = compare(ref, res)
+        rows.append({
+            "request": i, "prompt_tokens": len(prompt), "prefix_tokens": len(prefix.tokens),
+            "fetch_then_decode_ttft_s": ttft_fd, "fetch_then_decode_fetch_s": fetch_s,
+            "fetch_then_decode_total_s": total_fd, "vericache_ttft_s": req.first_token_s,
+            "vericache_total_s": total_vc, "tokens": len(res.tokens), "identical": cmp["identical"],
+            "max_logit_abs_diff": cmp["max_logit_abs_diff"], "mean_accepted_length": res.stats.mean_accepted_length,
+            "verify_transfer_s": fast_link.transfer_s - transfer_before, "verify_wait_s": res.stats.fetch_wait_s,
+        })
+        r = rows[-1]
+        log(f"request {i}: TTFT {r['fetch_then_decode_ttft_s']:.2f} s -> {r['vericache_ttft_s']:.2f} s, "
+            f"total {total_fd:.1f} s -> {total_vc:.1f} s, identical={cmp['identical']}")
+    summary = _summary(cfg, rows, prefix, mem_bw)
+    if out_dir is not None:
+        _write(out_dir, cfg, rows, summary, quick)
+    return summary
+
+
+def _summary(cfg: dict, rows: list[dict], prefix, mem_bw: float) -> dict:
+    tokens = sum(r["tokens"] for r in rows)
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)
+    transfer = sum(r["verify_transfer_s"] for r in rows)
+    return {
+        "identical": all(r["identical"] for r in rows),
+        "ttft_s": {"fetch_then_decode": round(mean("fetch_then_decode_ttft_s"), 4),
+                   "vericache": round(mean("vericache_ttft_s"), 4)},
+        "throughput_tok_s": {"fetch_then_decode": round(tokens / sum(r["fetch_then_decode_total_s"] for r in rows), 3),
+                             "vericache": round(tokens / sum(r["vericache_total_s"] for r in rows), 3)},
+        "hidden_transfer_fraction": (1 - sum(r["verify_wait_s"] for r in rows) / transfer) if transfer else None,
+        "compressed_prefix_shipment_s": prefix.compressed_kv_bytes / (mem_bw / cfg["slow_link_ratio"]),
+        "prefix_tokens": len(prefix.tokens), "full_prefix_bytes": prefix.full_kv_bytes,
+        "compressed_prefix_bytes": prefix.compressed_kv_bytes, "slow_link_ratio": cfg["slow_link_ratio"],
+        "fast_link_ratio": cfg["fast_link_ratio"], "memory_bytes_s": mem_bw, "compressor": cfg["compressor"],
+        "horizon": cfg["horizon"], "requests": cfg["requests"], "new_tokens": cfg["new_tokens"],
+    }
+
+
+def _write(out_dir: Path, cfg: dict, rows: list[dict], summary: dict, quick: bool) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "prefix_quick" if quick else "prefix"
+    (out_dir / f"{stem}.json").write_text(json.dumps({"config": cfg, "rows": rows, "summary": summary}, indent=2))
+    cols = ["request", "prompt_tokens", "fetch_then_decode_ttft_s", "vericache_ttft_s", "fetch_then_decode_total_s",
+            "vericache_total_s", "tokens", "identical", "mean_accepted_length"]
+    md = [f"Remote prefix caching: a {summary['prefix_tokens']}-token document, {cfg['requests']} requests x "
+          f"{cfg['new_tokens']} new tokens, `{cfg['compressor']}`, x={cfg['horizon']}; slow link at ratio "
+          f"{cfg['slow_link_ratio']}, verification on a link at ratio {cfg['fast_link_ratio']} of "
+          f"{summary['memory_bytes_s'] / 1e9:.1f} GB/s measured memory bandwidth. One-time shipment of the "
+          f"compressed document over the slow link: {summary['compressed_prefix_shipment_s']:.2f} s "
+          "(not in the per-request times).", "", table(rows, cols), "",
+          f"Mean TTFT: fetch-then-decode {summary['ttft_s']['fetch_then_decode']:.2f} s, VeriCache "
+          f"{summary['ttft_s']['vericache']:.2f} s. Throughput: {summary['throughput_tok_s']['fetch_then_decode']:.2f} "
+          f"vs {summary['throughput_tok_s']['vericache']:.2f} tok/s."]
+    (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    x = [r["request"] for r in rows]
+    for ax, key, label in ((axes[0], "ttft_s", "time to first token (s)"), (axes[1], "total_s", "request time (s)")):
+        ax.bar([i - 0.2 for i in x], [r[f"fetch_then_decode_{key}"] for r in rows], 0.4, label="fetch-then-decode")
+        ax.bar([i + 0.2 for i in x], [r[f"vericache_{key}"] for r in rows], 0.4, label="VeriCache")
+        ax.set_xlabel("request")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{stem}.png", dpi=120)
+    plt.close(fig)
