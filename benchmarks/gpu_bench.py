@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -117,13 +116,12 @@ def section_decode(shape: str, device: str, dtype_name: str, quick: bool, deadli
             break
         resident = [ResidentKV.from_full(full, context + 64, device) for _ in range(b)]
 
-        def full_step():
-            segs = [Segment([1], [context], r, logits="last") for r in resident]
-            runner.forward(segs)
+        def full_step(resident=resident):
+            runner.forward([Segment([1], [context], r, logits="last") for r in resident])
             for r in resident:
                 r.truncate(context)
 
-        def draft_step():
+        def draft_step(b=b):
             runner.forward([Segment([1], [context], DraftKV(ckv), logits="last") for _ in range(b)])
 
         def verify_pass():
@@ -133,7 +131,6 @@ def section_decode(shape: str, device: str, dtype_name: str, quick: bool, deadli
         rows.append({"batch": b, "context": context, "full_decode_step_s": timed(full_step, device),
                      "compressed_draft_step_s": timed(draft_step, device),
                      "verify_pass_s": timed(verify_pass, device, repeats=3)})
-        del resident
     return {"shape": shape, "dtype": dtype_name, "layers_run": lay.num_layers,
             "full_kv_bytes_per_request": full.nbytes, "compressed_kv_bytes_per_request": ckv.nbytes, "rows": rows}
 

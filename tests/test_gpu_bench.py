@@ -7,7 +7,6 @@ import subprocess
 
 import pytest
 import torch
-
 from conftest import REPO
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_bench.sh")

@@ -43,7 +43,7 @@ def test_prefix_request_identical_to_full_kv(tiny_runner, setup, qi, sampled, ex
 
 
 def test_prefix_must_be_in_the_store(tiny_runner, setup):
-    store, registry, prefix, doc, questions = setup
+    _store, registry, prefix, doc, questions = setup
     other = FullKVStore(MemoryStore(), tiny_runner.layout, chunk_tokens=32)
     with pytest.raises(Exception, match="not \\(all\\) in the store"):
         generate_vericache_from_prefix(tiny_runner, prefix, doc + questions[0], registry.compressor, other,

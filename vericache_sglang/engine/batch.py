@@ -210,7 +210,8 @@ class BatchEngine:
                 elif self.batch.mode == "lossy":
                     ctx = DraftKV(req.ckv)
                 else:
-                    req.feed = FullKVFetch(req.kv, pos, layers, req.pending, self.gen.fetch_timeout_s)
+                    req.feed = FullKVFetch(req.kv, pos, layers, req.pending, self.gen.fetch_timeout_s,
+                                           device=self.runner.device)
                     req.pending = None
                     ctx = StreamedKV(req.feed)
                 segments.append(Segment([req.tokens[-1]], [pos], ctx, logits="last"))

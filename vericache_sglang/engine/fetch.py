@@ -26,10 +26,12 @@ class FetchError(StoreError):
 class FullKVFetch:
     def __init__(self, request: RequestKV, upto: int, num_layers: int,
                  pending_write: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
-                 timeout_s: float = 120.0, held: Callable[[int], Held | None] | None = None):
+                 timeout_s: float = 120.0, held: Callable[[int], Held | None] | None = None,
+                 device: torch.device | str = "cpu"):
         self.request = request
         self.upto = upto
         self.held = held
+        self.device = torch.device(device)
         self.timeout_s = timeout_s
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self._ready = [threading.Event() for _ in range(num_layers)]
@@ -50,6 +52,9 @@ class FullKVFetch:
                 self.request.write(*self._pending)
                 self.bytes_written = self.request.stats.put_bytes - before
             for layer, k, v in self.request.fetch_layers(self.upto, held=self.held):
+                if self.device.type != "cpu":  # the store's bytes land in host memory; the link is this copy
+                    k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
+                    torch.cuda.current_stream(self.device).synchronize()
                 self._layers[layer] = (k, v)
                 self.arrival[layer] = time.monotonic()
                 self._ready[layer].set()

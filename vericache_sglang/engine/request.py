@@ -107,7 +107,8 @@ class VeriCacheRequest:
         else:
             # The rows the compressed KV holds bit-exactly need not cross the link again.
             self.feed = FullKVFetch(self.kv, self.exact_upto, self.runner.layout.num_layers, self.pending,
-                                    self.cfg.fetch_timeout_s, held=lambda layer: self.ckv.layers[layer].exact_kv())
+                                    self.cfg.fetch_timeout_s, held=lambda layer: self.ckv.layers[layer].exact_kv(),
+                                    device=self.runner.device)
         self.pending = None
 
     def wait_fetch(self) -> float:
