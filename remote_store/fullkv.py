@@ -49,7 +49,7 @@ class FullKVStore:
 
     def __init__(self, backend: ByteStore, layout: KVLayout, namespace: str = "default",
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, decode_ttl_s: float = DEFAULT_DECODE_TTL_S,
-                 subset_min_fraction: float = 0.1):
+                 subset_min_fraction: float = 0.25):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.backend = backend

@@ -84,7 +84,7 @@ def plan(refs: list[ChunkRef], headers: list[codec.ChunkHeader], mask: torch.Ten
         for kv in (0, 1):
             for head, t0, t1 in runs:
                 row = header.row_index(kv, head, t0)
-                ranges += [header.rows_range(row, t1 - t0), header.crcs_range(row, t1 - t0)]
+                ranges += [header.rows_range(row, t1 - t0), header.sums_range(row, t1 - t0)]
         plans.append(RowPlan(ref, header, runs, ranges))
     return plans
 
@@ -102,9 +102,9 @@ def assemble(plans: list[RowPlan], replies: list[list[bytes] | None], k_out: tor
         for out in (k_out, v_out):
             kv = 0 if out is k_out else 1
             for head, t0, t1 in p.runs:
-                rows, crcs = parts[i], parts[i + 1]
+                rows, sums = parts[i], parts[i + 1]
                 i += 2
-                codec.check_rows(p.header, p.header.row_index(kv, head, t0), rows, crcs)
+                codec.check_rows(p.header, p.header.row_index(kv, head, t0), rows, sums)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)  # read-only buffer, copied below
                     block = torch.frombuffer(rows, dtype=dtype).view(t1 - t0, d)

@@ -71,7 +71,7 @@ def test_overload_queues_in_order_and_keeps_the_link_serial():
 
 
 def test_reloads_finish_before_their_verification_and_stagger():
-    s = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=10**12)
+    s = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=10**12, slack=1.0)
     size = int(1.5 * ITER_S * LINK)  # 1.5 iterations of link time: spans 2 iterations
     res = [s.admit(f"r{i}", size, 17)[f"r{i}"] for i in range(8)]
     for r in res:
@@ -94,9 +94,18 @@ def test_a_reload_longer_than_the_window_takes_the_whole_link_and_waits_for_it()
 
 
 def test_measured_bandwidth_changes_the_span():
-    s = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=10**12)
+    s = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=10**12, slack=1.0)
     size = int(0.9 * ITER_S * LINK)
     assert s.reload_span(size)[0] == 1
     for _ in range(30):
         s.observe_link(size, 3 * 0.9 * ITER_S)  # the link turned out 3x slower than assumed
     assert s.reload_span(size)[0] == 3
+
+
+def test_slack_plans_reloads_over_more_iterations_with_the_same_link_time():
+    tight = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=10**12, slack=1.0)
+    loose = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=10**12, slack=2.0)
+    size = int(1.5 * ITER_S * LINK)
+    (span_t, per_t), (span_l, per_l) = tight.reload_span(size), loose.reload_span(size)
+    assert (span_t, span_l) == (2, 3)
+    assert span_t * per_t == span_l * per_l == size / LINK

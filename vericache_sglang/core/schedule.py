@@ -36,7 +36,7 @@ class Reservation:
 
 class StaggeredScheduler:
     def __init__(self, window: int, iteration_s: float, link_bytes_s: float, memory_capacity: int,
-                 ema: float = 0.2):
+                 ema: float = 0.3, slack: float = 1.5):
         if window < 2:
             raise ValueError(f"window must be >= 2 iterations, got {window}")
         self.window = window
@@ -45,6 +45,9 @@ class StaggeredScheduler:
         self.link_bytes_s = link_bytes_s
         self.memory_capacity = memory_capacity
         self.ema = ema
+        # Reloads are planned over ``slack`` times their estimated duration: a reload also spends
+        # host time decoding and checking what it moved, and the estimates are averages.
+        self.slack = slack
         self.link = [0.0] * window
         self.memory = [0] * window
         self.waiting: deque[tuple[str, int, int]] = deque()  # (request id, reload bytes, anchor gap)
@@ -68,7 +71,7 @@ class StaggeredScheduler:
         window can hold takes the whole link for ``window - 1`` iterations and overruns (the
         verify pass then waits for it, and the wait is measured)."""
         seconds = reload_bytes / self.link_bytes_s
-        span = max(1, math.ceil(seconds / self.iteration_s - _EPS))
+        span = max(1, math.ceil(self.slack * seconds / self.iteration_s - _EPS))
         if span > self.window - 1:
             return self.window - 1, self.iteration_s
         return span, seconds / span

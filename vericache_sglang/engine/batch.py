@@ -128,6 +128,7 @@ class BatchEngine:
         self.stats = BatchStats()
         self.results: dict[str, GenerationResult] = {}
         self._fetch_intervals: list[tuple[float, float]] = []
+        self._compressed_sizes: dict[int, int] = {}
 
     def submit(self, pre: Prefill, request_id: str) -> None:
         self.queue.append((request_id, pre))
@@ -138,7 +139,10 @@ class BatchEngine:
 
     def _compressed_reserve(self, pre: Prefill) -> int:
         # the compressed prompt plus every committed token's exact K/V (what an online update appends)
-        return self.compressor.compress(pre.kv, pre.obs).nbytes + self.gen.max_new_tokens * self.per_token
+        key = id(pre)
+        if key not in self._compressed_sizes:
+            self._compressed_sizes[key] = self.compressor.compress(pre.kv, pre.obs).nbytes
+        return self._compressed_sizes[key] + self.gen.max_new_tokens * self.per_token
 
     def _device_need(self, pre: Prefill) -> int:
         mode = self.batch.mode
@@ -320,10 +324,7 @@ class BatchEngine:
     def _admit(self, sched: StaggeredScheduler, rid: str, running: dict) -> None:
         """Schedule the request's next verification; every request admitted now starts drafting."""
         req = running[rid][0]
-        # what the next reload moves: the last one's measured bytes (reads of the rows not held, and
-        # the commit it writes first), or the whole full KV before any was measured
-        moved = req.last_reload_bytes or req.full_kv_bytes()
-        self._start_windows(sched, sched.admit(rid, max(moved, 1), max(1, req.next_horizon())), running)
+        self._start_windows(sched, sched.admit(rid, req.next_reload_bytes(), max(1, req.next_horizon())), running)
 
     @staticmethod
     def _start_windows(sched: StaggeredScheduler, admitted: dict, running: dict) -> None:

@@ -56,7 +56,7 @@ class VeriCacheRequest:
         self.resident: ResidentKV | None = None  # the recompute fallback, once the store has failed
         self._recompute = recompute
         self.feed: FullKVFetch | ResidentFeed | None = None
-        self.last_reload_bytes = 0
+        self.last_read_bytes = 0
         self.first_token_s: float | None = None  # time to the first committed token
         self.drafts: list[int] = []
         self.draft_probs: list[torch.Tensor] = []
@@ -99,6 +99,13 @@ class VeriCacheRequest:
 
     def full_kv_bytes(self) -> int:
         return self.context_tokens * self.runner.layout.bytes_per_token
+
+    def next_reload_bytes(self) -> int:
+        """What the next fetch puts on the link: the pending commit it writes first, then the read
+        (as much as the last one moved, or the whole full KV before any was measured)."""
+        per_token = self.runner.layout.bytes_per_token
+        write = 0 if self.pending is None else self.pending[1][0][0].shape[1] * per_token
+        return max(1, write + (self.last_read_bytes or self.full_kv_bytes()))
 
     # fetch
     def start_fetch(self) -> None:
@@ -173,7 +180,7 @@ class VeriCacheRequest:
         stats.verify_passes += 1
         stats.fetch_wait_s += feed.wait_s
         stats.fetch_bytes.append(feed.bytes_fetched)
-        self.last_reload_bytes = getattr(feed, "bytes_moved", 0)
+        self.last_read_bytes = feed.bytes_fetched
         n, q = len(self.tokens), len(self.tokens) - self.exact_upto
         logits = out.logits[q - 1 :]  # the rows that predict positions n, n + 1, ...
         verdict = self._accept(logits, list(range(n - 1, n + len(self.drafts))))

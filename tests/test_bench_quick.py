@@ -1,0 +1,35 @@
+"""The two pipelines' quick configurations on SmolLM2 (CI): every VeriCache output identical to
+full-KV decoding, and the summary keys the README and the issue name."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+
+MODES = ("full_resident", "full_offloaded", "lossy", "vericache_lockstep", "vericache_staggered")
+
+
+def bench(which, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "vericache_sglang.cli", "bench", which, "--quick", "--json",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_longctx_quick(tmp_path):
+    out = bench("longctx", tmp_path)
+    assert out["identical"] is True
+    assert set(out["throughput_tok_s"]) == set(MODES) and all(v > 0 for v in out["throughput_tok_s"].values())
+    assert 0.0 <= out["hidden_transfer_fraction"] <= 1.0
+    for name in ("longctx_quick.json", "longctx_quick.md", "longctx_quick_budget.png", "longctx_quick_link.png"):
+        assert (tmp_path / name).is_file()
+
+
+def test_prefix_quick(tmp_path):
+    out = bench("prefix", tmp_path)
+    assert out["identical"] is True
+    assert set(out["ttft_s"]) == set(out["throughput_tok_s"]) == {"fetch_then_decode", "vericache"}
+    assert (tmp_path / "prefix_quick.png").is_file()
