@@ -1,8 +1,10 @@
 """Store load and bandwidth: several processes write and read full-KV-sized records on loopback.
 
 Every record's bytes are derived from its key, so each read is checked: a lost record (missing when
-it must exist) or a mixed-up one (other bytes) is counted as an error. Also measures GB/s per
-backend (write and layer-grouped read), which the README quotes.
+it must exist) or a mixed-up one (other bytes) is counted as an error. A worker pins what it
+writes, as the engine pins an in-flight request's chunks, so a full store must refuse new writes
+(counted apart) rather than evict them. Also measures GB/s per backend (write and layer-grouped
+read), which the README quotes.
 
     python benchmarks/store_load.py --url grpc://:TOKEN@127.0.0.1:50051 --procs 4 --seconds 10
     python benchmarks/store_load.py --bandwidth --urls memory:// redis://127.0.0.1:6379/0 grpc://...
@@ -32,21 +34,31 @@ def payload(key: str, size: int = RECORD_BYTES) -> bytes:
 
 
 def worker(url: str, run: str, wid: int, ops: int, seconds: float, out: mp.Queue) -> None:
-    from remote_store import open_store
+    from remote_store import StoreError, open_store
 
     store = open_store(url)
     rng = random.Random(wid)
     mine: list[str] = []
     shared = [f"load:{run}:shared:{i}" for i in range(8)]
-    errors, moved, done = [], 0, 0
+    errors, moved, done, refused = [], 0, 0, 0
     deadline = time.monotonic() + seconds
     while done < ops and time.monotonic() < deadline:
         if rng.random() < 0.4 or not mine:
-            keys = [f"load:{run}:{wid}:{len(mine) + i}" for i in range(LAYERS)]
+            keys = [f"load:{run}:{wid}:{done}:{i}" for i in range(LAYERS)]
             if rng.random() < 0.2:
                 keys = shared  # every process writes the same keys with the same bytes
-            store.put_many([(k, payload(k)) for k in keys])
-            mine += [k for k in keys if k not in shared]
+            store.pin(keys)
+            try:
+                store.put_many([(k, payload(k)) for k in keys])
+            except StoreError:
+                refused += 1  # the store is full of pinned records: a clear refusal, nothing lost
+                store.unpin(keys)
+                done += 1
+                continue
+            if keys is not shared:
+                mine += keys
+            else:
+                store.unpin(keys)
             moved += RECORD_BYTES * len(keys)
         else:
             keys = rng.sample(mine, min(LAYERS, len(mine)))
@@ -63,8 +75,10 @@ def worker(url: str, run: str, wid: int, ops: int, seconds: float, out: mp.Queue
     final = store.get_many(mine)
     errors += [f"lost {k}" for k, v in zip(mine, final, strict=True) if v is None]
     errors += [f"mixed up {k}" for k, v in zip(mine, final, strict=True) if v is not None and v != payload(k)]
+    store.unpin(mine)
+    store.delete_many(mine)
     out.put({"worker": wid, "ops": done, "bytes": moved, "errors": errors[:20], "n_errors": len(errors),
-             "records": len(mine)})
+             "records": len(mine), "refused": refused})
 
 
 def load(url: str, procs: int = 4, ops: int = 200, seconds: float = 10.0) -> dict:
@@ -81,6 +95,7 @@ def load(url: str, procs: int = 4, ops: int = 200, seconds: float = 10.0) -> dic
     elapsed = time.monotonic() - started
     return {"url": url.split("@")[-1], "procs": procs, "ops": sum(r["ops"] for r in results),
             "errors": sum(r["n_errors"] for r in results), "examples": [e for r in results for e in r["errors"]][:10],
+            "refused_writes": sum(r["refused"] for r in results),
             "gb_s": sum(r["bytes"] for r in results) / elapsed / 1e9, "seconds": elapsed,
             "exit_codes": [w.exitcode for w in workers]}
 
@@ -109,6 +124,13 @@ def bandwidth(url: str, rounds: int = 5, chunks: int = 36) -> dict:
             "read_gb_s": total / med(reads) / 1e9}
 
 
+def _label(url: str) -> str:
+    scheme = url.split("://")[0]
+    return {"memory": "memory:// (in-process: records are referenced, not copied)",
+            "redis": "redis:// (redis-server 7.0, loopback)", "grpc": "grpc:// (our store server, loopback)"}.get(
+        scheme, scheme)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="load test this store")
@@ -122,7 +144,8 @@ def main() -> int:
     if args.bandwidth:
         rows = [bandwidth(u) for u in args.urls]
         table = ["| store | write GB/s | read GB/s (layer-grouped) |", "|---|---:|---:|"]
-        table += [f"| `{r['url']}` | {r['write_gb_s']:.2f} | {r['read_gb_s']:.2f} |" for r in rows]
+        table += [f"| {_label(u)} | {r['write_gb_s']:.2f} | {r['read_gb_s']:.2f} |" for u, r in zip(args.urls, rows,
+                                                                                            strict=True)]
         print("\n".join(table))
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

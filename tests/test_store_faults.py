@@ -219,3 +219,22 @@ def test_redis_eviction_under_pressure_spares_pinned_chunks(tiny_runner, pre, re
         assert_serves(server.url)
     finally:
         server.stop()
+
+
+@needs_redis
+def test_redis_full_of_pinned_records_refuses_writes_and_can_still_unpin(tmp_path):
+    server = RedisServer(tmp_path, maxmemory="2mb")
+    try:
+        store = open_store(server.url)
+        written = []
+        with pytest.raises(StoreError, match="maxmemory"):
+            for i in range(64):
+                store.pin([f"p{i}"])
+                store.put_many([(f"p{i}", bytes(64 << 10))], ttl_s=600)
+                written.append(f"p{i}")
+        assert all(store.exists_many(written))  # nothing pinned was evicted
+        store.unpin([*written, f"p{len(written)}"])  # allowed at maxmemory: releasing must always work
+        store.put_many([("after", b"room again")], ttl_s=600)  # unpinned records are evictable again
+        assert store.get_many(["after"]) == [b"room again"]
+    finally:
+        server.stop()

@@ -31,7 +31,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--logprobs", action="store_true", help="report the verifier's logprob of each token")
     p.add_argument("--store", default="memory://",
-                   help="full-KV store URL: memory:// (default), redis[s]://, grpc[s]://, lmcache://; add "
+                   help="full-KV store URL: memory:// (default), redis[s]://, grpc[s]://; add "
                         "?link_ratio=R or ?link_gbps=G to emulate a link")
     p.add_argument("--store-namespace", default="default", help="tenant salt of the store keys")
     p.add_argument("--on-store-error", choices=("recompute", "fail"), default="recompute")

@@ -32,8 +32,10 @@ end
 if ttl > 0 then return redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl) end
 return redis.call('SET', KEYS[1], ARGV[1])
 """
+# Pin and unpin only touch small bookkeeping keys and TTLs, so they may run when Redis is at its
+# maxmemory (allow-oom): a full store of pinned records must still be able to release them.
 # KEYS[1] record, KEYS[2] pin counter; ARGV[1] ttl in ms to restore on the last unpin
-_PIN = """
+_PIN = """#!lua flags=allow-oom
 redis.call('HINCRBY', KEYS[2], 'n', 1)
 if redis.call('HEXISTS', KEYS[2], 'ttl') == 0 then
   local left = redis.call('PTTL', KEYS[1])
@@ -42,7 +44,7 @@ end
 redis.call('PERSIST', KEYS[1])
 return 1
 """
-_UNPIN = """
+_UNPIN = """#!lua flags=allow-oom
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 local n = redis.call('HINCRBY', KEYS[2], 'n', -1)
 if n > 0 then return n end
