@@ -34,7 +34,7 @@ from vericache_sglang.engine.generation import (
     VerifyTiming,
 )
 from vericache_sglang.engine.request import VeriCacheRequest
-from vericache_sglang.engine.runner import DraftKV, ModelRunner, ResidentKV, Segment, Timeline
+from vericache_sglang.engine.runner import ContextKV, DraftKV, ModelRunner, ResidentKV, Segment, Timeline
 
 if TYPE_CHECKING:
     from vericache_sglang.engine.prefix import RegisteredPrefix
@@ -70,7 +70,7 @@ def prefill(runner: ModelRunner, tokens: Sequence[int], chunk: int = 512, progre
     reused = 0 if prefix is None else min(prefix.num_tokens, len(tokens) - 1)
     ctx = (ResidentKV(runner.layout, len(tokens), runner.device) if not reused
            else ResidentKV.from_full(prefix.slice(0, reused), len(tokens), runner.device))
-    queries: list[list[torch.Tensor]] = [[] for _ in range(runner.layout.num_layers)]
+    queries: list[torch.Tensor | None] = [None] * runner.layout.num_layers  # the last OBS_WINDOW, per layer
     starts = list(range(reused, len(tokens), chunk))
     bar = tqdm(total=len(tokens) - reused, desc="prefill", unit="tok", disable=not progress, leave=False)
     logits = None
@@ -80,35 +80,43 @@ def prefill(runner: ModelRunner, tokens: Sequence[int], chunk: int = 512, progre
         out = runner.forward([Segment(tokens[start:end], list(range(start, end)), ctx,
                                       logits="last" if last else "none", keep_queries=OBS_WINDOW)])[0]
         for layer, q in enumerate(out.queries):
-            queries[layer] = [*queries[layer], q]
-            joined = torch.cat(queries[layer], dim=1)
-            queries[layer] = [joined[:, -OBS_WINDOW:]]
+            kept = q if queries[layer] is None else torch.cat([queries[layer], q], dim=1)
+            queries[layer] = kept[:, -OBS_WINDOW:]
         logits = out.logits
         bar.update(end - start)
     bar.close()
-    obs = Observation([q[0] for q in queries])
+    obs = Observation(queries)
     return Prefill(tokens, ctx.to_full(), logits[0], obs, time.monotonic() - t0, reused)
+
+
+def _decode_one_by_one(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig, out: Output,
+                       context: Callable[[], ContextKV], after: Callable[[int, list], None] | None = None) -> None:
+    """Commit the prefill's token, then one token per forward over ``context()`` until the stop."""
+    sampler = Sampler(cfg.sampling)
+    pos = len(pre.tokens)
+    logits = pre.logits[None]
+    token = int(sampler.sample(logits, [pos])[0])
+    out.commit([token], logits)
+    while not out.stop.done and pos + 1 < runner.max_positions:
+        step = runner.forward([Segment([token], [pos], context(), logits="last")])[0]
+        if after is not None:
+            after(pos, step.kv)
+        out.stats.decode_steps += 1
+        pos += 1
+        logits = step.logits
+        token = int(sampler.sample(logits, [pos])[0])
+        out.commit([token], logits)
+    out.stats.prefill_s = pre.seconds
 
 
 def generate_full(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig, tokenizer: object | None = None,
                   on_commit: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Full-KV decoding, one token per forward, the full KV resident: the reference."""
     out = Output("full", cfg, tokenizer, on_commit)
-    sampler = Sampler(cfg.sampling)
     t0 = time.monotonic()
     ctx = ResidentKV.from_full(pre.kv, len(pre.tokens) + cfg.max_new_tokens, runner.device)
-    pos = len(pre.tokens)
-    logits = pre.logits[None]
-    token = int(sampler.sample(logits, [pos])[0])
-    out.commit([token], logits)
-    while not out.stop.done and pos + 1 < runner.max_positions:
-        logits = runner.forward([Segment([token], [pos], ctx, logits="last")])[0].logits
-        out.stats.decode_steps += 1
-        pos += 1
-        token = int(sampler.sample(logits, [pos])[0])
-        out.commit([token], logits)
+    _decode_one_by_one(runner, pre, cfg, out, lambda: ctx)
     out.stats.decode_s = time.monotonic() - t0
-    out.stats.prefill_s = pre.seconds
     out.stats.full_kv_bytes = ctx.length * runner.layout.bytes_per_token
     return out.result()
 
@@ -116,26 +124,18 @@ def generate_full(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig, toke
 def generate_lossy(runner: ModelRunner, pre: Prefill, compressor: Compressor, cfg: GenerationConfig,
                    tokenizer: object | None = None,
                    on_commit: Callable[[list[int]], None] | None = None) -> GenerationResult:
-    """Decoding with the compressed KV alone (the lossy baseline the compressor would give)."""
+    """Decoding with the compressed KV alone (the lossy baseline the compressor would give): each
+    step's own K/V is folded into the compressed KV."""
     out = Output(f"lossy[{compressor.spec}]", cfg, tokenizer, on_commit)
-    sampler = Sampler(cfg.sampling)
     t0 = time.monotonic()
     ckv = compressor.compress(pre.kv, pre.obs)
-    pos = len(pre.tokens)
-    logits = pre.logits[None]
-    token = int(sampler.sample(logits, [pos])[0])
-    out.commit([token], logits)
-    while not out.stop.done and pos + 1 < runner.max_positions:
-        step = runner.forward([Segment([token], [pos], DraftKV(ckv), logits="last")])[0]
-        for layer, (k, v) in enumerate(step.kv):
+
+    def fold(pos: int, kv: list) -> None:
+        for layer, (k, v) in enumerate(kv):
             compressor.update(ckv, layer, k, v, torch.tensor([pos]))
-        out.stats.decode_steps += 1
-        pos += 1
-        logits = step.logits
-        token = int(sampler.sample(logits, [pos])[0])
-        out.commit([token], logits)
+
+    _decode_one_by_one(runner, pre, cfg, out, lambda: DraftKV(ckv), fold)
     out.stats.decode_s = time.monotonic() - t0
-    out.stats.prefill_s = pre.seconds
     out.stats.compressed_kv_bytes = ckv.nbytes
     return out.result()
 
