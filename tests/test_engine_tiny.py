@@ -19,7 +19,7 @@ from vericache_sglang.engine.decode import (
 from vericache_sglang.engine.engine import compare
 from vericache_sglang.engine.fetch import FetchError
 from vericache_sglang.engine.model import ModelError, load_model
-from vericache_sglang.engine.runner import ResidentKV, Segment
+from vericache_sglang.engine.runner import ModelRunner, ResidentKV, Segment
 
 COMPRESSORS = ["snapkv:ratio=0.25,window=16", "kivi:bits=2,group=16,residual=32", "streamingllm:sink=4,window=32"]
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7)
@@ -200,3 +200,31 @@ def test_generation_near_the_context_end_stops(tiny_runner):
     res = generate_vericache(tiny_runner, pre, parse_spec(COMPRESSORS[2]), store_for(tiny_runner),
                              cfg(max_new_tokens=40, horizon=8))
     assert len(pre.tokens) + len(res.tokens) <= 2048
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_local_hf_directories_of_each_family_load_and_match_transformers(tmp_path, family):
+    """--model PATH: a local HF-format directory (here a small random model of each family, saved
+    with save_pretrained) loads with its tokenizer-less config and the runner matches transformers."""
+    import transformers
+
+    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
+    config = getattr(transformers, cls[0])(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                           head_dim=16, sliding_window=None)
+    torch.manual_seed(0)
+    getattr(transformers, cls[1])(config).save_pretrained(tmp_path)
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                            unk_token="[UNK]").save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    runner = ModelRunner(loaded)
+    tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        ref = loaded.model(torch.tensor([tokens])).logits[0]
+    out = runner.forward([Segment(tokens, list(range(40)), ResidentKV(runner.layout, 40))])[0]
+    assert (out.logits - ref).abs().max() < 1e-4
+    assert loaded.model_id.startswith(tmp_path.name + "@")
