@@ -24,7 +24,7 @@ def pres(tiny_runner):
 
 
 def gen(**kw):
-    return GenerationConfig(max_new_tokens=24, horizon=6, keep_logits=True, **kw)
+    return GenerationConfig(**{"max_new_tokens": 24, "horizon": 6, "keep_logits": True, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +87,10 @@ def test_a_request_larger_than_the_budget_is_a_clear_error(tiny_runner, pres):
         run_batch(tiny_runner, pres[:1], "full_resident", budget_units=0.5)
     with pytest.raises(ValueError, match="unknown mode"):
         BatchConfig(mode="fast")
+
+
+@pytest.mark.parametrize("mode,schedule", [("full_resident", "staggered"), ("vericache", "staggered"),
+                                           ("vericache", "lockstep")])
+def test_requests_done_at_their_first_token_leave_cleanly(tiny_runner, pres, mode, schedule):
+    outs, _ = run_batch(tiny_runner, pres[:2], mode, schedule, cfg=gen(max_new_tokens=1))
+    assert [len(o.tokens) for o in outs] == [1, 1]

@@ -99,6 +99,12 @@ class _Plain:
         self.sampler = Sampler(cfg.sampling)
         self.tokens = list(pre.tokens)
         self.started = time.monotonic()
+        # what the mode keeps: a resident full KV, a compressed KV, or the store handle and its fetch
+        self.ctx: ResidentKV | None = None
+        self.ckv = None
+        self.kv = None
+        self.pending = None
+        self.feed: FullKVFetch | None = None
         first = int(self.sampler.sample(pre.logits[None], [len(self.tokens)])[0])
         self.out.commit([first], pre.logits[None])
         self.tokens.append(first)
@@ -181,7 +187,6 @@ class BatchEngine:
             used += need
         return used
 
-    # full-KV resident, offloaded, lossy: one token per request per iteration
     def _start(self, rid: str, pre: Prefill):
         mode = self.batch.mode
         if mode == "vericache":
@@ -198,6 +203,7 @@ class BatchEngine:
             req.pending = (0, pre.kv.layers)
         return req
 
+    # full-KV resident, offloaded, lossy: one token per request per iteration
     def _run_plain(self) -> None:
         running: dict[str, tuple[_Plain, int]] = {}
         used = self._join(running, 0)
@@ -220,7 +226,7 @@ class BatchEngine:
                     ctx = StreamedKV(req.feed)
                 segments.append(Segment([req.tokens[-1]], [pos], ctx, logits="last"))
                 owners.append(req)
-            outs = self.runner.forward(segments)
+            outs = self.runner.forward(segments) if segments else []
             for req, out in zip(owners, outs, strict=True):
                 pos = len(req.tokens) - 1
                 if self.batch.mode == "lossy":
@@ -255,7 +261,7 @@ class BatchEngine:
         running: dict[str, tuple[VeriCacheRequest, int]] = {}
         # room for the largest reload must stay free, or no verification could ever be scheduled
         reload_reserve = max(self._full_reserve(p) for _, p in self.queue)
-        used = self._join(running, 0, reload_reserve)
+        used = self._finish_done(running, self._join(running, 0, reload_reserve))
         sched = StaggeredScheduler(self.batch.window, iteration_s=0.05, link_bytes_s=self._link_estimate(),
                                    memory_capacity=self.batch.kv_budget_bytes - used)
         to_admit = list(running)
@@ -297,12 +303,21 @@ class BatchEngine:
                 req.release()
                 self.results[rid] = req.result()
             before = set(running)
-            used = self._join(running, used, reload_reserve)
+            used = self._finish_done(running, self._join(running, used, reload_reserve))
             to_admit += [rid for rid in running if rid not in before]
             sched.set_memory_capacity(self.batch.kv_budget_bytes - used)
             self._end_iteration(t, running)
             sched.observe_iteration(time.monotonic() - t)
             sched.tick()
+
+    def _finish_done(self, running: dict, used: int) -> int:
+        """Requests that ended with the prefill's token (max_new_tokens=1, EOS) leave at once."""
+        for rid in [rid for rid, (req, _) in running.items() if req.done]:
+            req, need = running.pop(rid)
+            used -= need
+            req.release()
+            self.results[rid] = req.result()
+        return used
 
     def _link_estimate(self) -> float:
         """The link's bandwidth before any fetch was measured: the emulator's setting, or a guess the
@@ -334,7 +349,7 @@ class BatchEngine:
 
     def _run_lockstep(self) -> None:
         running: dict[str, tuple[VeriCacheRequest, int]] = {}
-        used = self._join(running, 0)
+        used = self._finish_done(running, self._join(running, 0))
         while running:
             reqs = [req for req, _ in running.values()]
             x = max(req.next_horizon() for req in reqs)
@@ -358,9 +373,4 @@ class BatchEngine:
                 req.take_verify(out)
                 self.stats.verify_passes += 1
             self._end_iteration(t, running)
-            for rid in [rid for rid, (req, _) in running.items() if req.done]:
-                req, need = running.pop(rid)
-                used -= need
-                req.release()
-                self.results[rid] = req.result()
-            used = self._join(running, used)
+            used = self._finish_done(running, self._join(running, self._finish_done(running, used)))
