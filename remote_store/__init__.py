@@ -10,7 +10,7 @@ from remote_store.codec import ChunkError
 
 __all__ = ["ByteStore", "ChunkError", "StoreError", "open_store"]
 
-SCHEMES = ("memory", "redis", "rediss", "grpc", "grpcs")
+SCHEMES = ("memory", "redis", "rediss", "grpc", "grpcs", "lmcache")
 # Link-emulator parameters, accepted on any URL and stripped before the backend sees it.
 LINK_PARAMS = ("link_ratio", "link_gbps", "link_latency_us")
 
@@ -19,7 +19,8 @@ def open_store(url: str, memory_bandwidth: Callable[[], float] | None = None) ->
     """Open a byte store by URL.
 
     ``memory://[?capacity_bytes=N]`` (embedded, the default), ``redis[s]://...``, ``grpc[s]://...``
-    (our store server). Any URL may add
+    (our store server), ``lmcache://[:TOKEN@]HOST:PORT`` (the LMCache sidecar, which speaks our store
+    protocol: ``remote_store.lmcache_sidecar``). Any URL may add
     ``link_ratio=R`` (a link R times slower than ``memory_bandwidth()``, the engine's measured
     memory bandwidth in bytes/s) or ``link_gbps=G``, and ``link_latency_us=U``: the store is then
     wrapped in the link emulator.
@@ -41,8 +42,10 @@ def open_store(url: str, memory_bandwidth: Callable[[], float] | None = None) ->
 
         store = GrpcStore(bare)
     elif parts.scheme == "lmcache":
-        raise ValueError("lmcache:// is not available yet (see the README's 'Not done yet'); use redis://, "
-                         "grpc:// or memory://")
+        from remote_store.backends.grpc import GrpcStore
+
+        store = GrpcStore(urlunsplit(parts._replace(scheme="grpc", query=urlencode(query))))
+        store.url = bare.split("?")[0].replace(f"{parts.netloc}", parts.netloc.rpartition("@")[2])
     else:
         raise ValueError(f"unknown store URL {url!r}; supported schemes: {', '.join(s + '://' for s in SCHEMES)}")
     if not link:

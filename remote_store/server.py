@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from remote_store.backends.base import StoreError
+from remote_store.backends.base import ByteStore, StoreError
 from remote_store.backends.memory import MemoryStore
 from remote_store.proto import MAX_MESSAGE_BYTES, store_pb2, store_pb2_grpc
 
@@ -29,7 +29,7 @@ SERVICE_NAME = "vericache.store.v1.KVStore"
 
 
 class KVStoreServicer(store_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: MemoryStore):
+    def __init__(self, store: ByteStore):
         self.store = store
 
     def Put(self, request, context):
@@ -65,8 +65,9 @@ class KVStoreServicer(store_pb2_grpc.KVStoreServicer):
         return store_pb2.Empty()
 
     def Stats(self, request, context):
-        return store_pb2.StatsReply(values={k: float(v) for k, v in self.store.stats().items()},
-                                    eviction_policy="lru-with-pins")
+        stats = self.store.stats()
+        return store_pb2.StatsReply(values={k: float(v) for k, v in stats.items() if isinstance(v, int | float)},
+                                    eviction_policy=str(stats.get("eviction_policy", "lru-with-pins")))
 
 
 class TokenAuth(grpc.ServerInterceptor):
@@ -91,16 +92,16 @@ class TokenAuth(grpc.ServerInterceptor):
         return self._deny_stream if streaming else self._deny
 
 
-def build_server(listen: str, capacity_bytes: int, token: str | None = None, tls_cert: Path | None = None,
+def build_server(listen: str, store: ByteStore, token: str | None = None, tls_cert: Path | None = None,
                  tls_key: Path | None = None, workers: int = 16) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Build (not start) the server; returns it, the bound port, and its health servicer."""
+    """Build (not start) a server over ``store``; returns it, the bound port, and its health servicer."""
     interceptors = [TokenAuth(token)] if token else []
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     from concurrent.futures import ThreadPoolExecutor
 
     server = grpc.server(ThreadPoolExecutor(max_workers=workers), interceptors=interceptors, options=options)
-    store_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(MemoryStore(capacity_bytes)), server)
+    store_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if tls_cert or tls_key:
@@ -117,26 +118,29 @@ def build_server(listen: str, capacity_bytes: int, token: str | None = None, tls
     return server, port, health_servicer
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m remote_store.server", description=__doc__)
+def server_args(prog: str, description: str) -> argparse.ArgumentParser:
+    """The arguments every store server takes (ours and the LMCache sidecar)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0 picks a free one)")
-    p.add_argument("--capacity-bytes", type=int, default=1 << 30, help="LRU capacity (0: unbounded)")
     p.add_argument("--auth-token-file", type=Path, help="file holding the bearer token clients must send")
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
     p.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM")
-    args = p.parse_args(argv)
+    return p
+
+
+def serve(args: argparse.Namespace, store: ByteStore, what: str) -> int:
+    """Serve ``store`` until SIGTERM/SIGINT, then drain in-flight calls and exit 0."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = args.auth_token_file.read_text().strip() if args.auth_token_file else None
     if args.auth_token_file and not token:
-        p.error(f"{args.auth_token_file} is empty")
-    server, port, health_servicer = build_server(args.listen, args.capacity_bytes, token, args.tls_cert,
-                                                 args.tls_key)
+        raise SystemExit(f"{args.auth_token_file} is empty")
+    server, port, health_servicer = build_server(args.listen, store, token, args.tls_cert, args.tls_key)
     server.start()
     host = args.listen.rpartition(":")[0]
-    log.info("serving on %s:%d (capacity %d bytes, auth %s, tls %s)", host, port, args.capacity_bytes,
-             "on" if token else "off", "on" if args.tls_cert else "off")
+    log.info("%s serving on %s:%d (auth %s, tls %s)", what, host, port, "on" if token else "off",
+             "on" if args.tls_cert else "off")
     if args.port_file:
         args.port_file.write_text(str(port))
     stopping = threading.Event()
@@ -152,8 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     server.wait_for_termination()
+    store.close()
     log.info("stopped")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = server_args("python -m remote_store.server", __doc__)
+    p.add_argument("--capacity-bytes", type=int, default=1 << 30, help="LRU capacity (0: unbounded)")
+    args = p.parse_args(argv)
+    return serve(args, MemoryStore(args.capacity_bytes), f"store (capacity {args.capacity_bytes} bytes)")
 
 
 if __name__ == "__main__":

@@ -95,9 +95,26 @@ def store_url(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(params=["memory", "redis", "grpc"])
+@pytest.fixture(scope="session")
+def lmcache_url(tmp_path_factory, redis_url):
+    """The LMCache sidecar (its own environment, .venv-lmcache): CI's or one started here."""
+    from services import LMCacheSidecar, env_url, lmcache_available
+
+    url = env_url("VERICACHE_TEST_LMCACHE_URL")
+    if url:
+        yield url
+        return
+    if not lmcache_available():
+        pytest.skip("the LMCache environment is not set up (scripts/setup_lmcache.sh; CI does it)")
+    sidecar = LMCacheSidecar(tmp_path_factory.mktemp("lmcache"), redis_url.split("/0")[0])
+    yield sidecar.url
+    sidecar.stop()
+
+
+@pytest.fixture(params=["memory", "redis", "grpc", "lmcache"])
 def backend_url(request):
     """Each backend in turn, as a store URL."""
     if request.param == "memory":
         return "memory://"
-    return request.getfixturevalue("redis_url" if request.param == "redis" else "store_url")
+    return request.getfixturevalue({"redis": "redis_url", "grpc": "store_url", "lmcache": "lmcache_url"}[
+        request.param])

@@ -142,3 +142,39 @@ def self_signed_cert(tmp: Path) -> tuple[Path, Path]:
 
 def env_url(name: str) -> str | None:
     return os.environ.get(name) or None
+
+
+LMCACHE_PYTHON = REPO / ".venv-lmcache" / "bin" / "python"
+
+
+def lmcache_available() -> bool:
+    return LMCACHE_PYTHON.exists()
+
+
+class LMCacheSidecar(StoreServer):
+    """``python -m remote_store.lmcache_sidecar`` in the LMCache environment, over a Redis URL."""
+
+    def __init__(self, tmp: Path, remote_url: str, token: str | None = "test-token"):
+        self.remote_url = remote_url
+        super().__init__(tmp, token=token)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.token}@" if self.token else ""
+        return f"lmcache://{auth}127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        args = [str(LMCACHE_PYTHON), "-m", "remote_store.lmcache_sidecar", "--listen", f"127.0.0.1:{self.port}",
+                "--remote-url", self.remote_url, "--local-cpu-gb", "0.25", "--port-file", str(self.tmp / "port")]
+        if self.token:
+            (self.tmp / "token").write_text(self.token)
+            args += ["--auth-token-file", str(self.tmp / "token")]
+        (self.tmp / "port").unlink(missing_ok=True)
+        self.log = open(self.tmp / "sidecar.log", "ab")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "LMCACHE_TRACK_USAGE": "false"}
+        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120  # importing LMCache takes several seconds
+        while not (self.tmp / "port").exists():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"LMCache sidecar did not start: {(self.tmp / 'sidecar.log').read_text()[-3000:]}")
+            time.sleep(0.1)
