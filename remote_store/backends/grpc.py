@@ -32,7 +32,13 @@ class GrpcStore(ByteStore):
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         target = f"{parts.hostname}:{parts.port}"
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   # A store that went away and came back is reconnected to within a second or two, and a
+                   # new client does not inherit another channel's reconnect back-off.
+                   ("grpc.use_local_subchannel_pool", 1),
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
         if parts.scheme == "grpcs":
             ca = query.get("ca") or os.environ.get("VERICACHE_STORE_CA")
             creds = grpc.ssl_channel_credentials(open(ca, "rb").read() if ca else None)
