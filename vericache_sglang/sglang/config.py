@@ -1,0 +1,113 @@
+"""``--vericache-config``: what VeriCache adds to an SGLang server, parsed and checked once.
+
+Pure Python (no sglang import): the launcher, the scheduler subprocesses and the tests all read the
+same dataclass. The JSON object may be given inline or as ``@path``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vericache_sglang.core.compress import SpecError, parse_spec
+
+VERIFICATION_POLICIES = ("greedy", "rejection")
+# Where a request's full KV lives between verifications. "device": in SGLang's own KV pool
+# (self-speculation; no memory saved). "store": written to the full-KV store after prefill and
+# after each verify, fetched back for the next verify while drafting runs.
+FULL_KV_PLACES = ("device", "store")
+MAX_HORIZON = 64
+
+
+class VeriCacheConfigError(ValueError):
+    """A ``--vericache-config`` that cannot be served, with the reason."""
+
+
+@dataclass(frozen=True)
+class VeriCacheConfig:
+    compressor: str = "snapkv:ratio=0.25"
+    horizon: int = 16  # drafted tokens per verification
+    full_kv: str = "store"
+    store: str = "memory://"  # full-KV store URL (remote_store.open_store)
+    verification: str = "greedy"
+    stagger_window: int = 4  # verifications whose fetches may be in flight at once
+    max_verifies_per_step: int = 0  # 0: no cap
+
+    def __post_init__(self) -> None:
+        try:
+            compressor = parse_spec(self.compressor)
+        except SpecError as e:
+            raise VeriCacheConfigError(f"vericache-config compressor: {e}") from None
+        if compressor.kind != "dropping":
+            # SGLang's attention kernels read a plain KV pool; a quantized pool needs the
+            # dequantize-fused draft kernels (kernels/), which the SGLang worker does not use yet.
+            raise VeriCacheConfigError(
+                f"vericache-config compressor {compressor.spec!r} is a {compressor.kind} compressor; the SGLang "
+                "worker drafts over a token-dropping compressed pool only (streamingllm, snapkv)"
+            )
+        object.__setattr__(self, "compressor", compressor.spec)
+        for name in ("horizon", "stagger_window", "max_verifies_per_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise VeriCacheConfigError(f"vericache-config {name} must be an integer, got {value!r}")
+        if not 1 <= self.horizon <= MAX_HORIZON:
+            raise VeriCacheConfigError(f"vericache-config horizon must be in [1, {MAX_HORIZON}], got {self.horizon}")
+        if self.stagger_window < 1:
+            raise VeriCacheConfigError(f"vericache-config stagger_window must be >= 1, got {self.stagger_window}")
+        if self.max_verifies_per_step < 0:
+            raise VeriCacheConfigError(
+                f"vericache-config max_verifies_per_step must be >= 0, got {self.max_verifies_per_step}")
+        if self.full_kv not in FULL_KV_PLACES:
+            raise VeriCacheConfigError(
+                f"vericache-config full_kv must be one of {', '.join(FULL_KV_PLACES)}, got {self.full_kv!r}")
+        if self.verification not in VERIFICATION_POLICIES:
+            raise VeriCacheConfigError(
+                f"vericache-config verification must be one of {', '.join(VERIFICATION_POLICIES)}, "
+                f"got {self.verification!r}")
+        if not isinstance(self.store, str) or "://" not in self.store:
+            raise VeriCacheConfigError(f"vericache-config store must be a store URL, got {self.store!r}")
+        from remote_store import SCHEMES
+
+        scheme = self.store.split("://", 1)[0]
+        if scheme not in SCHEMES:
+            raise VeriCacheConfigError(
+                f"vericache-config store scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """SGLang's ``speculative_num_draft_tokens``: the verify width, the drafts plus the seed."""
+        return self.horizon + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def parse(cls, text: str | None) -> VeriCacheConfig:
+        """From the flag's value: a JSON object, ``@file`` holding one, or empty for the defaults."""
+        if text is None or not str(text).strip():
+            return cls()
+        text = str(text).strip()
+        if text.startswith("@"):
+            path = Path(text[1:])
+            try:
+                text = path.read_text()
+            except OSError as e:
+                raise VeriCacheConfigError(f"vericache-config file {path}: {e.strerror}") from None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise VeriCacheConfigError(f"vericache-config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise VeriCacheConfigError(f"vericache-config must be a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise VeriCacheConfigError(
+                f"vericache-config has unknown keys {unknown}; known keys: {', '.join(sorted(known))}")
+        return cls(**raw)

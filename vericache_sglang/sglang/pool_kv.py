@@ -1,0 +1,73 @@
+"""Moving KV between SGLang's token pools and the core's FullKV / CompressedKV objects.
+
+SGLang's ``MHATokenToKVPool`` keeps, per layer, ``[slots, kv_heads, head_dim]`` buffers indexed by
+slot; the core keeps ``[kv_heads, tokens, head_dim]`` per layer. These helpers read a request's
+rows out of a pool (to compress them or to store them as full KV) and write a compressed copy's
+kept tokens into the private draft pool. They use the pools' internal (non-waiting) buffer
+accessors: the public ``get_key_buffer`` waits on HiCache's layer counter, which is for attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vericache_sglang.core.compress import Compressor, Observation
+from vericache_sglang.core.kv import CompressedKV, FullKV, KVLayout
+
+
+def pool_layout(pool: Any, model_id: str) -> KVLayout:
+    """The core layout of an SGLang MHA pool's KV."""
+    return KVLayout(model_id, pool.layer_num, pool.head_num, pool.head_dim, pool.dtype)
+
+
+def _layer_buffers(pool: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return pool._get_key_buffer(pool.start_layer + layer), pool._get_value_buffer(pool.start_layer + layer)
+
+
+def read_full_kv(pool: Any, indices: torch.Tensor, layout: KVLayout) -> FullKV:
+    """The exact KV at pool slots ``indices`` (one request's tokens, in order)."""
+    idx = indices.to(device=pool.device, dtype=torch.int64)
+    layers = []
+    for layer in range(layout.num_layers):
+        k_buf, v_buf = _layer_buffers(pool, layer)
+        layers.append((k_buf[idx].transpose(0, 1).contiguous(), v_buf[idx].transpose(0, 1).contiguous()))
+    return FullKV(layout, layers)
+
+
+def compress_from_pool(pool: Any, indices: torch.Tensor, layout: KVLayout, compressor: Compressor,
+                       obs: Observation | None = None) -> CompressedKV:
+    """A compressed copy of the KV at ``indices``, made by ``compressor`` (its ``compress``)."""
+    return compressor.compress(read_full_kv(pool, indices, layout), obs)
+
+
+def write_kept_tokens(pool: Any, slots: torch.Tensor, compressed: CompressedKV) -> None:
+    """Write a token-dropping compressed copy into a private draft pool at ``slots``.
+
+    Every layer must keep the same number of tokens (one req_to_token row serves all layers);
+    per-head positions may differ, since attention only reads each head's own K/V.
+    """
+    counts = set(compressed.tokens_per_layer())
+    if len(counts) != 1:
+        raise ValueError(f"draft pool rows need one token count for all layers, got {sorted(counts)}")
+    (count,) = counts
+    if slots.numel() != count:
+        raise ValueError(f"{slots.numel()} slots for {count} kept tokens")
+    idx = slots.to(device=pool.device, dtype=torch.int64)
+    for layer, comp in enumerate(compressed.layers):
+        k, v = comp.read()  # [kv_heads, kept, head_dim]
+        k_buf, v_buf = _layer_buffers(pool, layer)
+        k_buf[idx] = k.transpose(0, 1).to(device=k_buf.device, dtype=k_buf.dtype)
+        v_buf[idx] = v.transpose(0, 1).to(device=v_buf.device, dtype=v_buf.dtype)
+
+
+def write_full_kv(pool: Any, slots: torch.Tensor, full: FullKV) -> None:
+    """Write exact KV (e.g. a prefix fetched from the store) into a pool at ``slots``."""
+    if slots.numel() != full.num_tokens:
+        raise ValueError(f"{slots.numel()} slots for {full.num_tokens} tokens")
+    idx = slots.to(device=pool.device, dtype=torch.int64)
+    for layer, (k, v) in enumerate(full.layers):
+        k_buf, v_buf = _layer_buffers(pool, layer)
+        k_buf[idx] = k.transpose(0, 1).to(device=k_buf.device, dtype=k_buf.dtype)
+        v_buf[idx] = v.transpose(0, 1).to(device=v_buf.device, dtype=v_buf.dtype)

@@ -1,0 +1,99 @@
+"""The ``vericache`` radix-cache backend: SGLang's radix tree, plus a compressed-KV copy of each
+cached prefix that VeriCache drafts from, kept next to the tree and evicted with it.
+
+A copy belongs to the node that ends its prefix and covers every token from the root to that
+node's end (a compressor scores a prefix as a whole, so a copy cannot be cut per segment). When a
+lookup splits a node, the copy stays with the deeper half, whose path is unchanged. A copy is
+dropped the moment its node leaves the tree, so a lookup can only ever return the copy of a
+prefix that is still cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from vericache_sglang.core.kv import CompressedKV
+
+
+@dataclass(frozen=True)
+class CompressedPrefix:
+    """A cached prefix's compressed KV: drafting state for every request that shares it."""
+
+    num_tokens: int  # prefix length (tokens from the root), not tokens kept
+    kv: CompressedKV
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+
+class VeriCacheRadixCache(RadixCache):
+    def reset(self) -> None:
+        super().reset()
+        self._copies: dict[int, tuple[TreeNode, CompressedPrefix]] = {}  # by node id
+        self.compressed_bytes = 0
+        self.copies_evicted = 0
+
+    # -- compressed copies ------------------------------------------------------------------
+
+    def insert_with_copy(self, key: RadixKey, value: Any, kv: CompressedKV) -> Any:
+        """Insert a prefix (SGLang's insert) and attach its compressed copy to the node ending it."""
+        result = self.insert(InsertParams(key=key, value=value))
+        node = result.last_device_node
+        length = self._path_len(node)
+        if length != len(key.page_aligned(self.page_size)):
+            raise ValueError(f"inserted prefix ends at {length} tokens, key has {len(key)}")
+        self.attach_copy(node, CompressedPrefix(length, kv))
+        return result
+
+    def attach_copy(self, node: TreeNode, copy: CompressedPrefix) -> None:
+        if node is self.root_node or node.parent is None or self._path_len(node) != copy.num_tokens:
+            raise ValueError("a compressed copy must be attached to the node ending its prefix")
+        old = self._copies.get(node.id)
+        if old is not None:
+            self.compressed_bytes -= old[1].nbytes
+        self._copies[node.id] = (node, copy)
+        self.compressed_bytes += copy.nbytes
+
+    def match_with_copy(self, key: RadixKey) -> tuple[MatchResult, CompressedPrefix | None]:
+        """SGLang's prefix match, and the compressed copy of the longest matched prefix that has one."""
+        result = self.match_prefix(MatchPrefixParams(key=key))
+        node = result.last_device_node
+        while node is not None and node is not self.root_node:
+            entry = self._copies.get(node.id)
+            if entry is not None and entry[0] is node:
+                return result, entry[1]
+            node = node.parent
+        return result, None
+
+    def copy_count(self) -> int:
+        return len(self._copies)
+
+    # -- keeping copies and tree together ------------------------------------------------------
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        super()._delete_leaf(node)
+        entry = self._copies.pop(node.id, None)
+        if entry is not None:
+            self.compressed_bytes -= entry[1].nbytes
+            self.copies_evicted += 1
+
+    def _path_len(self, node: TreeNode) -> int:
+        n = 0
+        while node is not None and node is not self.root_node:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+
+def create_radix_cache(ctx: Any) -> VeriCacheRadixCache:
+    """Factory registered as ``vericache`` in SGLang's radix-cache registry."""
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
+        raise ValueError("the vericache radix cache serves full-attention models only")
+    if ctx.enable_hierarchical_cache:
+        raise ValueError("the vericache radix cache does not combine with --enable-hierarchical-cache yet")
+    return VeriCacheRadixCache(ctx.params)
