@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.memory_pool", reason="sglang is not installed")
 
-from vericache_sglang.core.accept import greedy_accept  # noqa: E402
-from vericache_sglang.core.compress import parse_spec  # noqa: E402
-from vericache_sglang.sglang.acceptance import greedy_verdicts, pack  # noqa: E402
-from vericache_sglang.sglang.draft_pool import CompressedDraftPool, DraftPoolFull  # noqa: E402
-from vericache_sglang.sglang.pool_kv import read_full_kv  # noqa: E402
+from vericache_sglang.core.accept import greedy_accept
+from vericache_sglang.core.compress import parse_spec
+from vericache_sglang.sglang.acceptance import greedy_verdicts, pack
+from vericache_sglang.sglang.draft_pool import CompressedDraftPool, DraftPoolFull
+from vericache_sglang.sglang.pool_kv import read_full_kv
 
 pytestmark = pytest.mark.real_model
 HORIZON = 8
