@@ -89,6 +89,7 @@ def _unsupported(server_args: Any) -> list[str]:
 
 
 def apply_implied_flags(server_args: Any, cfg: VeriCacheConfig) -> None:
+    # ServerArgs' own default lookup (0.5.23): a field still at its default was not given.
     from sglang.srt.server_args import _declared_default
 
     problems = _unsupported(server_args)

@@ -71,7 +71,7 @@ class VeriCacheDraftInput(SpecInput):
 class _QueryCapture:
     """Keeps the last OBS_WINDOW post-RoPE queries of each request during a prefill."""
 
-    def __init__(self, model: torch.nn.Module, num_kv_heads: int, head_dim: int):
+    def __init__(self, model: torch.nn.Module, head_dim: int):
         from sglang.srt.layers.radix_attention import RadixAttention
 
         self.layers = [m for m in model.modules() if isinstance(m, RadixAttention)]
@@ -156,8 +156,7 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def init_attention_backends(self) -> None:
         self.draft_backend = create_draft_backend(self.model_runner)
-        hf = self.model_runner.model_config
-        self._capture = _QueryCapture(self.model_runner.model, hf.num_key_value_heads, hf.head_dim)
+        self._capture = _QueryCapture(self.model_runner.model, self.model_runner.model_config.head_dim)
 
     def init_cuda_graphs(self) -> None:
         return None  # --enable-vericache disables decode CUDA graphs; nothing of ours is captured
