@@ -26,6 +26,15 @@ def _layer_buffers(pool: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return pool._get_key_buffer(pool.start_layer + layer), pool._get_value_buffer(pool.start_layer + layer)
 
 
+def _write_layers(pool: Any, slots: torch.Tensor, layers: Any) -> None:
+    """Write per-layer ``(keys, values)`` ``[kv_heads, n, head_dim]`` into the pool at ``slots``."""
+    idx = slots.to(device=pool.device, dtype=torch.int64)
+    for layer, (k, v) in enumerate(layers):
+        k_buf, v_buf = _layer_buffers(pool, layer)
+        k_buf[idx] = k.transpose(0, 1).to(device=k_buf.device, dtype=k_buf.dtype)
+        v_buf[idx] = v.transpose(0, 1).to(device=v_buf.device, dtype=v_buf.dtype)
+
+
 def read_full_kv(pool: Any, indices: torch.Tensor, layout: KVLayout) -> FullKV:
     """The exact KV at pool slots ``indices`` (one request's tokens, in order)."""
     idx = indices.to(device=pool.device, dtype=torch.int64)
@@ -54,20 +63,11 @@ def write_kept_tokens(pool: Any, slots: torch.Tensor, compressed: CompressedKV) 
     (count,) = counts
     if slots.numel() != count:
         raise ValueError(f"{slots.numel()} slots for {count} kept tokens")
-    idx = slots.to(device=pool.device, dtype=torch.int64)
-    for layer, comp in enumerate(compressed.layers):
-        k, v = comp.read()  # [kv_heads, kept, head_dim]
-        k_buf, v_buf = _layer_buffers(pool, layer)
-        k_buf[idx] = k.transpose(0, 1).to(device=k_buf.device, dtype=k_buf.dtype)
-        v_buf[idx] = v.transpose(0, 1).to(device=v_buf.device, dtype=v_buf.dtype)
+    _write_layers(pool, slots, [comp.read() for comp in compressed.layers])
 
 
 def write_full_kv(pool: Any, slots: torch.Tensor, full: FullKV) -> None:
     """Write exact KV (e.g. a prefix fetched from the store) into a pool at ``slots``."""
     if slots.numel() != full.num_tokens:
         raise ValueError(f"{slots.numel()} slots for {full.num_tokens} tokens")
-    idx = slots.to(device=pool.device, dtype=torch.int64)
-    for layer, (k, v) in enumerate(full.layers):
-        k_buf, v_buf = _layer_buffers(pool, layer)
-        k_buf[idx] = k.transpose(0, 1).to(device=k_buf.device, dtype=k_buf.dtype)
-        v_buf[idx] = v.transpose(0, 1).to(device=v_buf.device, dtype=v_buf.dtype)
+    _write_layers(pool, slots, full.layers)

@@ -80,8 +80,7 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
                            getattr(pool, "head_dim", 0), 0, self._layout_digest, _digest16(key), 0, payload_len)
 
     def _encode_page(self, key: str, page: torch.Tensor) -> bytes:
-        raw = page.contiguous().view(torch.uint8).numpy().tobytes() if page.device.type == "cpu" else \
-            page.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        raw = page.contiguous().view(torch.uint8).cpu().numpy().tobytes()  # .cpu() is a no-op on host pages
         return encode(self._header(key, len(raw)), raw)
 
     def _decode_page(self, key: str, record: bytes) -> torch.Tensor:
