@@ -8,7 +8,9 @@ source (PYTHONPATH=repo) on a seeded random model of a real shape. It measures w
 2. decode-step time of the runner against batch size, with the full KV and with a compressed KV
    (SnapKV keeping 1/8), and the verify pass for x+1 tokens;
 3. the Triton dequantization kernel against its torch reference;
-4. a VeriCache throughput model (the paper's Eq. 3) from those measurements, with the acceptance
+4. every compressor's VeriCache output against full-KV greedy decoding on the device (float32 and
+   bfloat16, a seeded random Llama);
+5. a VeriCache throughput model (the paper's Eq. 3) from those measurements, with the acceptance
    lengths REPLAYED from a CPU run (benchmarks/results/matrix.json), labelled as such.
 
 Every section is time-boxed; results go to --out ($OUT on the device machine) as JSON and
@@ -154,6 +156,69 @@ def section_kernels(device: str, quick: bool) -> dict:
     return out
 
 
+# Every compressor on the device (kvzip needs a tokenizer, which a random model has not).
+DEVICE_SPECS = ["streamingllm:window=128", "h2o", "snapkv", "pyramidkv", "adakv", "expected_attention", "tova",
+                "knorm", "quest", "kivi:bits=2", "int8", "int4", "kvquant", "rotatekv",
+                "snapkv:ratio=0.25+kivi:bits=4"]
+
+
+# (dtype, row_bucket, row_attention, specs): float32 as it is, then bfloat16 plain and with the
+# runner's batch-invariance options (see ModelRunner), to find what low precision needs.
+CHECK_SHORT = ["snapkv", "kivi:bits=2", "int8", "quest"]
+VARIANTS = {"fp32": ("float32", 0, False, DEVICE_SPECS), "bf16": ("bfloat16", 0, False, CHECK_SHORT),
+            "bf16-rows": ("bfloat16", 64, False, CHECK_SHORT), "bf16-invariant": ("bfloat16", 64, True, DEVICE_SPECS)}
+
+
+def section_compressors(device: str, quick: bool, deadline: float, variants: list[str] | None = None,
+                        specs: list[str] | None = None) -> dict:
+    """VeriCache against full-KV greedy decoding on the device for every compressor, on a seeded
+    random Llama (weights spread wide enough that argmax is rarely a near-tie)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from remote_store.backends.memory import MemoryStore
+    from remote_store.fullkv import FullKVStore
+    from vericache_sglang.core.compress import parse_spec
+    from vericache_sglang.engine.decode import GenerationConfig, generate_full, generate_vericache, prefill
+    from vericache_sglang.engine.engine import compare
+    from vericache_sglang.engine.model import LoadedModel
+    from vericache_sglang.engine.runner import ModelRunner
+
+    rows = []
+    for key in variants or list(VARIANTS):
+        dtype_name, bucket, row_attention, default_specs = VARIANTS[key]
+        dtype = getattr(torch, dtype_name)
+        config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024,
+                             num_hidden_layers=2 if quick else 4, num_attention_heads=8, num_key_value_heads=2,
+                             max_position_embeddings=8192, initializer_range=0.2, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(dtype).eval()
+        name = f"random-gpu-check-{dtype_name}"
+        runner = ModelRunner(LoadedModel(model, None, name, name + "@seed0", None), row_bucket=bucket,
+                             row_attention=row_attention)
+        n = 256 if quick else 1536
+        prompt = torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+        pre = prefill(runner, prompt)
+        cfg = GenerationConfig(max_new_tokens=16 if quick else 48, horizon=8, keep_logits=True)
+        ref = generate_full(runner, pre, cfg)
+        variant = {"dtype": dtype_name, "row_bucket": bucket, "row_attention": row_attention}
+        for spec in specs or default_specs:
+            if time.monotonic() > deadline:
+                rows.append({**variant, "compressor": spec, "skipped": "out of time"})
+                continue
+            try:
+                store = FullKVStore(MemoryStore(), runner.layout, chunk_tokens=64)
+                res = generate_vericache(runner, pre, parse_spec(spec), store, cfg)
+                cmp = compare(ref, res)
+                rows.append({**variant, "compressor": spec, "identical": cmp["identical"],
+                             "first_mismatch": cmp["first_mismatch"], "max_logit_abs_diff": cmp["max_logit_abs_diff"],
+                             "mean_accepted_length": res.stats.mean_accepted_length})
+            except Exception as e:  # one compressor's failure is a result; the others still run
+                rows.append({**variant, "compressor": spec, "error": f"{type(e).__name__}: {e}"})
+    return {"label": "seeded random Llama on the device; exactness of VeriCache vs full-KV greedy", "rows": rows}
+
+
 def replayed_acceptance(path: Path) -> dict:
     """Mean accepted length per compressor at x=16 (greedy), from a CPU exactness-matrix run."""
     if not path.is_file():
@@ -193,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--minutes", type=float, default=5.0, help="the whole run's time box")
     p.add_argument("--quick", action="store_true", help="tiny shapes (the CPU check of this script)")
+    p.add_argument("--sections", default="bandwidth,kernels,compressors,decode",
+                   help="comma-separated sections to run (default: all)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"compressors section: comma-separated runner variants of {', '.join(VARIANTS)}")
+    p.add_argument("--specs", default="", help="compressors section: ';'-separated specs (default: each variant's)")
     p.add_argument("--acceptance", type=Path, default=REPO / "benchmarks" / "results" / "matrix.json")
     args = p.parse_args(argv)
     if args.minutes <= 0:
@@ -207,11 +277,23 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
                      "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
                      "shape": shape, "quick": args.quick, "errors": {}}
+    # The short sections first; the decode sweep takes what time is left.
     sections = [("bandwidth", lambda: section_bandwidth(args.device, args.quick)),
+                ("kernels", lambda: section_kernels(args.device, args.quick)),
+                ("compressors", lambda: section_compressors(args.device, args.quick, deadline, variants,
+                                                            [x for x in args.specs.split(";") if x] or None)),
                 ("decode", lambda: section_decode(shape, args.device, args.dtype if args.device != "cpu" else "float32",
-                                                  args.quick, deadline)),
-                ("kernels", lambda: section_kernels(args.device, args.quick))]
+                                                  args.quick, deadline))]
+    variants = args.variants.split(",")
+    if set(variants) - set(VARIANTS):
+        p.error(f"unknown variants: {', '.join(sorted(set(variants) - set(VARIANTS)))}")
+    wanted = set(args.sections.split(","))
+    unknown = wanted - {name for name, _ in sections}
+    if unknown:
+        p.error(f"unknown sections: {', '.join(sorted(unknown))}")
     for name, fn in sections:
+        if name not in wanted:
+            continue
         if time.monotonic() > deadline:
             results["errors"][name] = "skipped: out of time"
             continue
@@ -233,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"- batch {r['batch']}, context {r['context']}: full step {1e3 * r['full_decode_step_s']:.2f} ms, "
                      f"compressed draft step {1e3 * r['compressed_draft_step_s']:.2f} ms, "
                      f"verify x+1 {1e3 * r['verify_pass_s']:.2f} ms")
+    for r in results.get("compressors", {}).get("rows", []):
+        what = (f"identical={r['identical']} max|dlogit|={r['max_logit_abs_diff']:.2e} "
+                f"accepted={r['mean_accepted_length']:.2f}" if "identical" in r else r.get("error") or r.get("skipped"))
+        lines.append(f"- {r['dtype']} rows={r['row_bucket']} row_attention={r['row_attention']} "
+                     f"{r['compressor']}: {what}")
     if results["errors"]:
         lines += ["", "Errors:", *[f"- {k}: {v.splitlines()[0]}" for k, v in results["errors"].items()]]
     (args.out / "gpu_bench.md").write_text("\n".join(lines) + "\n")

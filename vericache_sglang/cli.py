@@ -126,7 +126,8 @@ def cmd_compressors(args: argparse.Namespace) -> int:
         return 0
     for c in table:
         params = ", ".join(f"{k}={v['default']}" for k, v in c["parameters"].items())
-        print(f"{c['name']:<14} {c['kind']:<13} {params}\n{'':<14} {c['summary']}")
+        print(f"{c['name']:<20} {c['kind']:<13} {params}\n{'':<20} {c['summary']}")
+    print("\ncompose a dropper and a quantizer with '+', e.g. snapkv:ratio=0.25+kivi:bits=4")
     return 0
 
 

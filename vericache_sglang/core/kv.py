@@ -118,6 +118,11 @@ class CompressedLayer(ABC):
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[kv_heads, num_tokens, head_dim]`` in the model dtype, for attention."""
 
+    def read_for(self, query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the draft queries ``[q_heads, n, head_dim]`` attend to; query-aware layers (Quest)
+        read a subset, the others everything."""
+        return self.read()
+
     def exact_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(positions [kv_heads, m], keys, values [kv_heads, m, head_dim])`` of the tokens this layer
         holds bit-exactly, or None. What the device holds exactly need not cross the link again."""

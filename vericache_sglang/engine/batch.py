@@ -224,14 +224,14 @@ class BatchEngine:
                                            device=self.runner.device)
                     req.pending = None
                     ctx = StreamedKV(req.feed)
-                segments.append(Segment([req.tokens[-1]], [pos], ctx, logits="last"))
+                keep = int(self.batch.mode == "lossy" and self.compressor.update_queries)
+                segments.append(Segment([req.tokens[-1]], [pos], ctx, logits="last", keep_queries=keep))
                 owners.append(req)
             outs = self.runner.forward(segments) if segments else []
             for req, out in zip(owners, outs, strict=True):
                 pos = len(req.tokens) - 1
                 if self.batch.mode == "lossy":
-                    for layer, (k, v) in enumerate(out.kv):
-                        self.compressor.update(req.ckv, layer, k, v, torch.tensor([pos]))
+                    self.compressor.commit(req.ckv, out.kv, torch.tensor([pos]), out.queries)
                 elif self.batch.mode == "full_offloaded":
                     self._account_fetch(req.feed, None, wait=True)
                     req.pending = (pos, out.kv)  # written by the next step's fetch, before it reads

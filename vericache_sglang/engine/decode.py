@@ -33,8 +33,17 @@ from vericache_sglang.engine.generation import (
     Prefill,
     VerifyTiming,
 )
+from vericache_sglang.engine.observe import RunnerObservation
 from vericache_sglang.engine.request import VeriCacheRequest
-from vericache_sglang.engine.runner import ContextKV, DraftKV, ModelRunner, ResidentKV, Segment, Timeline
+from vericache_sglang.engine.runner import (
+    ContextKV,
+    DraftKV,
+    ModelRunner,
+    ResidentKV,
+    Segment,
+    SegmentOutput,
+    Timeline,
+)
 
 if TYPE_CHECKING:
     from vericache_sglang.engine.prefix import RegisteredPrefix
@@ -85,12 +94,14 @@ def prefill(runner: ModelRunner, tokens: Sequence[int], chunk: int = 512, progre
         logits = out.logits
         bar.update(end - start)
     bar.close()
-    obs = Observation(queries)
-    return Prefill(tokens, ctx.to_full(), logits[0], obs, time.monotonic() - t0, reused)
+    kv = ctx.to_full()
+    obs = Observation(queries, RunnerObservation(runner, tokens, kv))
+    return Prefill(tokens, kv, logits[0], obs, time.monotonic() - t0, reused)
 
 
 def _decode_one_by_one(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig, out: Output,
-                       context: Callable[[], ContextKV], after: Callable[[int, list], None] | None = None) -> None:
+                       context: Callable[[], ContextKV], after: Callable[[int, SegmentOutput], None] | None = None,
+                       keep_queries: int = 0) -> None:
     """Commit the prefill's token, then one token per forward over ``context()`` until the stop."""
     sampler = Sampler(cfg.sampling)
     pos = len(pre.tokens)
@@ -98,9 +109,9 @@ def _decode_one_by_one(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig,
     token = int(sampler.sample(logits, [pos])[0])
     out.commit([token], logits)
     while not out.stop.done and pos + 1 < runner.max_positions:
-        step = runner.forward([Segment([token], [pos], context(), logits="last")])[0]
+        step = runner.forward([Segment([token], [pos], context(), logits="last", keep_queries=keep_queries)])[0]
         if after is not None:
-            after(pos, step.kv)
+            after(pos, step)
         out.stats.decode_steps += 1
         pos += 1
         logits = step.logits
@@ -130,11 +141,10 @@ def generate_lossy(runner: ModelRunner, pre: Prefill, compressor: Compressor, cf
     t0 = time.monotonic()
     ckv = compressor.compress(pre.kv, pre.obs)
 
-    def fold(pos: int, kv: list) -> None:
-        for layer, (k, v) in enumerate(kv):
-            compressor.update(ckv, layer, k, v, torch.tensor([pos]))
+    def fold(pos: int, step: SegmentOutput) -> None:
+        compressor.commit(ckv, step.kv, torch.tensor([pos]), step.queries)
 
-    _decode_one_by_one(runner, pre, cfg, out, lambda: DraftKV(ckv), fold)
+    _decode_one_by_one(runner, pre, cfg, out, lambda: DraftKV(ckv), fold, keep_queries=int(compressor.update_queries))
     out.stats.decode_s = time.monotonic() - t0
     out.stats.compressed_kv_bytes = ckv.nbytes
     return out.result()

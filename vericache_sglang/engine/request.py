@@ -168,7 +168,8 @@ class VeriCacheRequest:
     # verification
     def verify_segment(self) -> Segment:
         inputs = [*self.tokens[self.exact_upto :], *self.drafts]
-        return Segment(inputs, list(range(self.exact_upto, self.exact_upto + len(inputs))), StreamedKV(self.feed))
+        return Segment(inputs, list(range(self.exact_upto, self.exact_upto + len(inputs))), StreamedKV(self.feed),
+                       keep_queries=len(inputs) if self.compressor.update_queries else 0)
 
     def take_verify(self, out: SegmentOutput, timeline: Timeline | None = None,
                     timings: list[VerifyTiming] | None = None) -> Verdict:
@@ -190,8 +191,8 @@ class VeriCacheRequest:
         m = q + taken - 1
         exact = [(k[:, :m], v[:, :m]) for k, v in out.kv]
         positions = torch.arange(self.exact_upto, self.exact_upto + m)
-        for layer, (k, v) in enumerate(exact):
-            self.compressor.update(self.ckv, layer, k, v, positions)
+        queries = None if out.queries is None else [q[:, :m] for q in out.queries]
+        self.compressor.commit(self.ckv, exact, positions, queries)
         if self.resident is not None:
             self.resident.extend(exact)
         else:

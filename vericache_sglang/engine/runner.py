@@ -23,9 +23,11 @@ from vericache_sglang.engine.model import LoadedModel
 
 
 class ContextKV(Protocol):
-    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                  q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the new tokens' K/V ``[kv_heads, n, head_dim]`` at ``layer`` and return every key and
-        value they attend to, the new ones last. Whether the new K/V stay is the context's choice."""
+        value they attend to, the new ones last. Whether the new K/V stay is the context's choice;
+        ``q`` (their queries) is for query-aware contexts."""
         ...
 
 
@@ -60,7 +62,8 @@ class ResidentKV:
                 grown[:, : self.length] = b[:, : self.length]
                 bufs[i] = grown
 
-    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                  q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[1]
         if layer == 0:
             self._grow(end)
@@ -91,9 +94,10 @@ class DraftKV:
         self.ckv = ckv
         self.scratch: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in ckv.layers]
 
-    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                  q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         self.scratch[layer].append((k, v))
-        ck, cv = self.ckv.layers[layer].read()
+        ck, cv = self.ckv.layers[layer].read_for(q)
         ks = [ck, *(s[0] for s in self.scratch[layer])]
         vs = [cv, *(s[1] for s in self.scratch[layer])]
         return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
@@ -111,7 +115,8 @@ class StreamedKV:
     def __init__(self, feed: LayerFeed):
         self.feed = feed
 
-    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                  q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         fk, fv = self.feed.wait_layer(layer)
         return torch.cat([fk, k], dim=1), torch.cat([fv, v], dim=1)
 
@@ -124,7 +129,7 @@ class Segment:
     positions: Sequence[int]
     context: ContextKV
     logits: str = "all"  # "all" | "last" | "none"
-    keep_queries: int = 0  # keep the post-RoPE queries of the last n tokens (SnapKV's window)
+    keep_queries: int = 0  # keep the post-RoPE queries of the last n tokens (scoring compressors)
 
 
 @dataclass
@@ -142,7 +147,14 @@ class Timeline:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel):
+    """``row_bucket`` and ``row_attention`` make a token's numerics independent of how many tokens
+    share its forward (batch invariance), which low-precision GPU kernels otherwise break: a
+    verify pass over x+1 tokens must produce, row by row, the bits one-token decoding produces.
+    ``row_bucket=B`` pads every forward to a multiple of B rows, so a decode step and a verify pass
+    run the same GEMM shapes; ``row_attention`` runs each new token's attention as its own
+    one-query call, the call decoding makes."""
+
+    def __init__(self, loaded: LoadedModel, row_bucket: int = 0, row_attention: bool = False):
         model = loaded.model
         cfg = model.config
         self.loaded = loaded
@@ -164,6 +176,9 @@ class ModelRunner:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self._rope: Callable = apply_rotary_pos_emb
+        if row_bucket < 0:
+            raise ValueError(f"row_bucket must be >= 0, got {row_bucket}")
+        self.row_bucket, self.row_attention = row_bucket, row_attention
 
     @property
     def vocab_size(self) -> int:
@@ -172,6 +187,10 @@ class ModelRunner:
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """``q`` ``[q_heads, n, d]`` over ``keys``/``values`` ``[kv_heads, c + n, d]`` (the new last)."""
         n, total = q.shape[1], keys.shape[1]
+        if n > 1 and self.row_attention:
+            past = total - n
+            return torch.cat([self._attention(q[:, i : i + 1], keys[:, : past + i + 1], values[:, : past + i + 1])
+                              for i in range(n)], dim=1)
         mask = None
         if n > 1:
             past = total - n
@@ -189,10 +208,14 @@ class ModelRunner:
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
-        tokens = torch.tensor([t for s in segments for t in s.tokens], dtype=torch.long, device=self.device)
-        positions = torch.tensor([p for s in segments for p in s.positions], dtype=torch.long, device=self.device)
-        if int(positions.max()) >= self.max_positions:
-            raise ValueError(f"position {int(positions.max())} is beyond the model's {self.max_positions}")
+        flat_tokens = [t for s in segments for t in s.tokens]
+        flat_positions = [p for s in segments for p in s.positions]
+        if max(flat_positions) >= self.max_positions:
+            raise ValueError(f"position {max(flat_positions)} is beyond the model's {self.max_positions}")
+        real = len(flat_tokens)
+        pad = (-real) % self.row_bucket if self.row_bucket else 0  # dummy rows: token 0 at position 0
+        tokens = torch.tensor(flat_tokens + [0] * pad, dtype=torch.long, device=self.device)
+        positions = torch.tensor(flat_positions + [0] * pad, dtype=torch.long, device=self.device)
         h = self.embed(tokens).unsqueeze(0)  # [1, N, hidden]
         cos, sin = self.rotary(h, positions.unsqueeze(0))
         total = h.shape[1]
@@ -215,18 +238,25 @@ class ModelRunner:
                 kv_out[si].append((ks, vs))
                 if seg.keep_queries:
                     q_out[si].append(qs[:, max(0, b - a - seg.keep_queries):].clone())
-                keys, values = seg.context.attend_kv(li, ks, vs)
+                keys, values = seg.context.attend_kv(li, ks, vs, qs)
                 if timeline is not None and si == 0:
                     timeline.layer_start.append(time.monotonic())
                 outs.append(self._attention(qs, keys, values))
+            if pad:
+                outs.append(q.new_zeros(self.num_heads, pad, self.head_dim))
             o = torch.cat(outs, dim=1).transpose(0, 1).reshape(1, total, self.num_heads * self.head_dim)
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         results = []
+        # Bucketed rows: every row's logits from one head GEMM over all rows (the same shape always).
+        every = (self.lm_head(self.norm(h))[0].float()
+                 if self.row_bucket and any(seg.logits != "none" for seg in segments) else None)
         for si, seg in enumerate(segments):
             a, b = bounds[si], bounds[si + 1]
             logits = None
-            if seg.logits != "none":
+            if seg.logits != "none" and every is not None:
+                logits = (every[b - 1 : b] if seg.logits == "last" else every[a:b]).clone()
+            elif seg.logits != "none":
                 rows = h[:, b - 1 : b] if seg.logits == "last" else h[:, a:b]
                 logits = self.lm_head(self.norm(rows))[0].float()
             results.append(SegmentOutput(logits, kv_out[si], q_out[si] if seg.keep_queries else None))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vericache_sglang.core.compress import SpecError, parse_spec
+from vericache_sglang.core.compress import COMPRESSORS, Compressor, SpecError, parse_spec
 
 VERIFICATION_POLICIES = ("greedy", "rejection")
 # Where a request's full KV lives between verifications. "device": in SGLang's own KV pool
@@ -24,6 +24,23 @@ MAX_HORIZON = 64
 
 class VeriCacheConfigError(ValueError):
     """A ``--vericache-config`` that cannot be served, with the reason."""
+
+
+def _unsupported_by_worker(compressor: Compressor | type[Compressor]) -> str:
+    """Why the SGLang worker cannot run ``compressor`` (empty when it can)."""
+    if not compressor.uniform_layers:
+        return "its layers keep different token counts, and the draft pool gives one slot set to all layers"
+    extra = compressor.needs - {"window"}
+    if extra:
+        return (f"it needs {', '.join(sorted(extra))} from the model, and the worker captures only the "
+                "prefill's last queries")
+    return ""
+
+
+def sglang_compressors() -> list[str]:
+    """The registered compressors the SGLang worker can draft with."""
+    return [name for name, cls in sorted(COMPRESSORS.items())
+            if cls.kind == "dropping" and not _unsupported_by_worker(cls)]
 
 
 @dataclass(frozen=True)
@@ -46,8 +63,12 @@ class VeriCacheConfig:
             # dequantize-fused draft kernels (kernels/), which the SGLang worker does not use yet.
             raise VeriCacheConfigError(
                 f"vericache-config compressor {compressor.spec!r} is a {compressor.kind} compressor; the SGLang "
-                "worker drafts over a token-dropping compressed pool only (streamingllm, snapkv)"
+                f"worker drafts over a token-dropping compressed pool only ({', '.join(sglang_compressors())})"
             )
+        why = _unsupported_by_worker(compressor)
+        if why:
+            raise VeriCacheConfigError(f"vericache-config compressor {compressor.spec!r}: {why}; the SGLang worker "
+                                       f"supports {', '.join(sglang_compressors())}")
         object.__setattr__(self, "compressor", compressor.spec)
         for name in ("horizon", "stagger_window", "max_verifies_per_step"):
             value = getattr(self, name)

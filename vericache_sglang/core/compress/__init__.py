@@ -1,16 +1,32 @@
-"""Compressors by spec string: ``name[:key=value[,key=value...]]``, e.g. ``snapkv:ratio=0.125``."""
+"""Compressors by spec string: ``name[:key=value[,key=value...]]``, e.g. ``snapkv:ratio=0.125``, or a
+dropper then a quantizer joined by ``+``: ``snapkv:ratio=0.25+kivi:bits=4``."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
 
+from vericache_sglang.core.compress.adakv import AdaKV
 from vericache_sglang.core.compress.base import Compressor, DroppedLayer, Observation
+from vericache_sglang.core.compress.compose import Composed
+from vericache_sglang.core.compress.expected_attention import ExpectedAttention
+from vericache_sglang.core.compress.h2o import H2O
 from vericache_sglang.core.compress.kivi import KIVI
+from vericache_sglang.core.compress.knorm import KNorm
+from vericache_sglang.core.compress.kvquant import KVQuant
+from vericache_sglang.core.compress.kvzip import KVzip
+from vericache_sglang.core.compress.pyramidkv import PyramidKV
+from vericache_sglang.core.compress.quest import Quest
 from vericache_sglang.core.compress.snapkv import SnapKV
 from vericache_sglang.core.compress.streamingllm import StreamingLLM
+from vericache_sglang.core.compress.tokenquant import Int4, Int8, RotateKV
+from vericache_sglang.core.compress.tova import TOVA
 
-COMPRESSORS: dict[str, type[Compressor]] = {cls.name: cls for cls in (StreamingLLM, SnapKV, KIVI)}
+COMPRESSORS: dict[str, type[Compressor]] = {
+    cls.name: cls
+    for cls in (StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, ExpectedAttention, TOVA, KNorm, KVzip, Quest,
+                KIVI, Int8, Int4, KVQuant, RotateKV)
+}
 
 __all__ = [
     "COMPRESSORS",
@@ -52,6 +68,21 @@ def parse_spec(spec: str) -> Compressor:
     """Build a compressor from its spec; a bad spec raises SpecError naming the choices."""
     if not isinstance(spec, str) or not spec.strip():
         raise SpecError(f"empty compressor spec; choices: {_choices()}")
+    parts = spec.split("+")
+    if len(parts) == 1:
+        return _parse_one(spec)
+    if len(parts) != 2:
+        raise SpecError(f"composition {spec!r}: exactly two parts, a dropper then a quantizer")
+    first, second = (_parse_one(p) for p in parts)
+    try:
+        return Composed(first, second)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+
+
+def _parse_one(spec: str) -> Compressor:
+    if not spec.strip():
+        raise SpecError(f"empty part in compressor spec; choices: {_choices()}")
     name, colon, rest = spec.strip().partition(":")
     name = name.strip().lower()
     cls = COMPRESSORS.get(name)
@@ -87,6 +118,9 @@ def describe_compressors() -> list[dict[str, object]]:
             "kind": cls.kind,
             "mode": cls.mode,
             "summary": cls.summary,
+            "needs": sorted(cls.needs),
+            "uniform_layers": cls.uniform_layers,
+            "evicts_while_decoding": cls.evicts,
             "parameters": {
                 f.name: {"type": hints[f.name].__name__, "default": f.default}
                 for f in dataclasses.fields(cls.Params)

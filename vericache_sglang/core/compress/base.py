@@ -11,11 +11,64 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol
 
 import torch
 
 from vericache_sglang.core.kv import CompressedKV, CompressedLayer, FullKV
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A Llama-style rotary embedding as plain tensors (cheap to copy with a compressed KV)."""
+
+    inv_freq: torch.Tensor  # [head_dim / 2], float32
+    scaling: float = 1.0
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` shaped ``[*positions.shape, head_dim]`` (float32)."""
+        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE ``x`` ``[..., n, d]`` at ``positions`` ``[..., n]`` to post-RoPE (float32 math)."""
+        cos, sin = self.cos_sin(positions)
+        return apply_rope(x.float(), cos, sin).to(x.dtype)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos_sin(positions)
+        return unapply_rope(x.float(), cos, sin).to(x.dtype)
+
+
+class ObservationSource(Protocol):
+    """The model behind a prefill, for compressors that need more than the observation window.
+
+    Implemented by the engine (``vericache_sglang.engine.observe``); the SGLang path has none, so
+    compressors that need it are refused there at configuration time.
+    """
+
+    def prompt_queries(self) -> list[torch.Tensor]:
+        """Post-RoPE queries ``[q_heads, tokens, head_dim]`` of every prompt token, per layer."""
+        ...
+
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt's token ids."""
+        ...
+
+    def rope(self) -> Rope:
+        """The model's rotary embedding."""
+        ...
+
+    def probe(self, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Run ``tokens`` after the prompt over its exact KV (nothing is kept); per layer, their
+        post-RoPE queries ``[q_heads, m, head_dim]`` and keys ``[kv_heads, m, head_dim]``."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens); raises ValueError without a tokenizer."""
+        ...
 
 
 @dataclass
@@ -23,10 +76,11 @@ class Observation:
     """What the prefill saw that a scoring compressor may use.
 
     ``queries[layer]`` holds the post-RoPE queries ``[q_heads, window, head_dim]`` of the last
-    prompt tokens (SnapKV's observation window).
+    prompt tokens (SnapKV's observation window); ``source`` reaches the model for more.
     """
 
     queries: list[torch.Tensor] | None = None
+    source: ObservationSource | None = None
 
     def window_queries(self, layer: int, window: int) -> torch.Tensor:
         if self.queries is None:
@@ -36,15 +90,44 @@ class Observation:
             raise ValueError(f"observation window of {window} tokens asked, prefill kept {q.shape[1]}")
         return q[:, q.shape[1] - window :]
 
+    def model(self, who: str) -> ObservationSource:
+        if self.source is None:
+            raise ValueError(f"{who} needs the model behind the prefill (prompt queries, rotary embedding), "
+                             "which this path does not provide")
+        return self.source
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[..., n, d]`` to the positions of ``cos, sin`` ``[..., n, d]`` (Llama RoPE)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The inverse rotation: post-RoPE back to pre-RoPE."""
+    return x * cos - rotate_half(x) * sin
+
 
 class Compressor(ABC):
     """Base class. Subclasses declare ``name``, ``kind`` and a ``Params`` dataclass of defaults."""
 
     name: ClassVar[str]
-    kind: ClassVar[Literal["dropping", "quantization"]]
+    kind: ClassVar[Literal["dropping", "sparse", "quantization", "composed"]]
     mode: ClassVar[Literal["online", "offline"]] = "online"
     Params: ClassVar[type]
     summary: ClassVar[str] = ""
+    # What the compressor reads besides the KV: "window" (the prefill's last queries), "prompt"
+    # (every prompt query), "rope", "probe" (extra forwards), "update_queries" (committed tokens'
+    # queries in ``update``). The SGLang path provides "window" only.
+    needs: ClassVar[frozenset[str]] = frozenset()
+    # Every layer keeps the same token count (one slot set serves all layers in a paged pool).
+    uniform_layers: ClassVar[bool] = True
+    # ``update`` may drop tokens it kept before (sliding windows, online eviction).
+    evicts: ClassVar[bool] = False
 
     def __init__(self, **params: object):
         self.params = self.Params(**params)
@@ -89,6 +172,20 @@ class Compressor(ABC):
         """
         ckv.layers[layer_idx] = self.update_layer(ckv.layers[layer_idx], k, v, positions, q)
 
+    def commit(self, ckv: CompressedKV, kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
+               queries: list[torch.Tensor] | None = None) -> None:
+        """Fold committed tokens into every layer: ``kv[layer]`` their exact K/V, ``queries[layer]``
+        their post-RoPE queries (required when ``"update_queries" in needs``)."""
+        if queries is None and "update_queries" in self.needs:
+            raise ValueError(f"{self.name} scores committed tokens online: commit needs their queries")
+        for layer, (k, v) in enumerate(kv):
+            self.update(ckv, layer, k, v, positions, None if queries is None else queries[layer])
+
+    @property
+    def update_queries(self) -> bool:
+        """Whether ``commit`` needs the committed tokens' queries (callers keep them only then)."""
+        return "update_queries" in self.needs
+
     @abstractmethod
     def update_layer(
         self,
@@ -99,6 +196,22 @@ class Compressor(ABC):
         q: torch.Tensor | None,
     ) -> CompressedLayer:
         """Return the layer with the new tokens folded in (it may be the same object)."""
+
+
+class QuantizingCompressor(Compressor):
+    """A quantizer; ``quantize_layer`` takes the tokens' positions so it can follow a dropper."""
+
+    kind = "quantization"
+
+    def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> CompressedLayer:
+        positions = torch.arange(k.shape[1], dtype=torch.int32, device=k.device).expand(k.shape[0], -1)
+        return self.quantize_layer(layer_idx, k, v, positions, obs)
+
+    @abstractmethod
+    def quantize_layer(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       obs: Observation | None) -> CompressedLayer:
+        """Quantize tokens at ``positions`` ``[kv_heads, n]``; the layer's ``exact_kv`` gives rows by
+        column index (the same as positions when nothing was dropped)."""
 
 
 class DroppedLayer(CompressedLayer):

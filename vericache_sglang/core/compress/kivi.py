@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache_sglang.core.compress.base import Compressor, Observation
+from vericache_sglang.core.compress.base import QuantizingCompressor
 from vericache_sglang.core.compress.quant import dequantize, pack, quantize, unpack
 from vericache_sglang.core.kv import CompressedLayer
 
@@ -93,13 +93,13 @@ class KIVILayer(CompressedLayer):
     def exact_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The residual is exact; quantized tokens are not.
         h, r = self.k_res.shape[0], self.k_res.shape[1]
-        pos = torch.arange(self.quantized_tokens, self.quantized_tokens + r, dtype=torch.int32)
+        pos = torch.arange(self.quantized_tokens, self.quantized_tokens + r, dtype=torch.int32,
+                           device=self.k_res.device)
         return pos.expand(h, -1), self.k_res, self.v_res
 
 
-class KIVI(Compressor):
+class KIVI(QuantizingCompressor):
     name = "kivi"
-    kind = "quantization"
     Params = KIVIParams
     summary = "2/4-bit asymmetric; keys per channel, values per token; full-precision residual"
 
@@ -112,7 +112,7 @@ class KIVI(Compressor):
                 f"kivi: residual ({p.residual}) must be a positive multiple of group ({p.group})"
             )
 
-    def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> KIVILayer:
+    def quantize_layer(self, layer_idx, k, v, positions, obs) -> KIVILayer:
         p = self.params
         if k.shape[2] % p.group:
             raise ValueError(f"kivi: head_dim {k.shape[2]} is not a multiple of group {p.group}")

@@ -53,16 +53,17 @@ class SnapKV(Compressor):
     kind = "dropping"
     Params = SnapKVParams
     summary = "observation-window attention scores, pooled, top tokens per KV head"
+    needs = frozenset({"window"})
 
     def validate(self) -> None:
         p = self.params
-        check_ratio("snapkv", p.ratio)
+        check_ratio(self.name, p.ratio)
         if p.window < 1:
-            raise ValueError(f"snapkv: window must be >= 1, got {p.window}")
+            raise ValueError(f"{self.name}: window must be >= 1, got {p.window}")
         if p.kernel < 1 or p.kernel % 2 == 0:
-            raise ValueError(f"snapkv: kernel must be an odd number >= 1, got {p.kernel}")
+            raise ValueError(f"{self.name}: kernel must be an odd number >= 1, got {p.kernel}")
         if p.pool not in ("max", "avg"):
-            raise ValueError(f"snapkv: pool must be 'max' or 'avg', got {p.pool!r}")
+            raise ValueError(f"{self.name}: pool must be 'max' or 'avg', got {p.pool!r}")
 
     def budget(self, n: int) -> int:
         return min(n, max(self.params.window, math.ceil(self.params.ratio * n)))

@@ -24,6 +24,7 @@ class StreamingLLM(Compressor):
     kind = "dropping"
     Params = StreamingLLMParams
     summary = "attention sinks plus a recent window (positional, the same tokens for every head)"
+    evicts = True
 
     def validate(self) -> None:
         if self.params.sink < 0:

@@ -1,0 +1,36 @@
+"""Every compressor, and a composition, at its defaults on SmolLM2: VeriCache output identical to
+full-KV greedy decoding on one real 2,297-token prompt, 48 new tokens, the reference computed once."""
+
+import pytest
+from conftest import PROMPTS
+
+from vericache_sglang.core.compress import COMPRESSORS
+from vericache_sglang.engine.engine import compare
+
+pytestmark = pytest.mark.real_model
+
+NEW_TOKENS = 48
+SPECS = [*sorted(COMPRESSORS), "snapkv:ratio=0.25+kivi:bits=4"]
+
+
+@pytest.fixture(scope="module")
+def pre(real_engine):
+    tokens = real_engine.encode((PROMPTS / "prose.txt").read_text())
+    assert len(tokens) >= 1500
+    return real_engine.prefill(tokens, reuse_prefix=False)
+
+
+@pytest.fixture(scope="module")
+def reference(real_engine, pre):
+    return real_engine.generate(pre, "full", cfg=real_engine.config(max_new_tokens=NEW_TOKENS, keep_logits=True))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_identical_to_full_kv(real_engine, pre, reference, spec, exactness):
+    cfg = real_engine.config(max_new_tokens=NEW_TOKENS, keep_logits=True, horizon=16)
+    res = real_engine.generate(pre, "vericache", spec, cfg)
+    cmp = compare(reference, res)
+    exactness(f"SmolLM2 prose greedy {spec} (family)", cmp, accepted_length=res.stats.mean_accepted_length,
+              compressed_over_full=res.stats.compressed_kv_bytes / res.stats.full_kv_bytes)
+    assert cmp["identical"], cmp
+    assert len(res.tokens) == NEW_TOKENS

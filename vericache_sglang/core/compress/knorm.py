@@ -1,0 +1,35 @@
+"""KNorm (Devoto et al., 2024): keep the tokens whose keys have the smallest L2 norm (low key
+norm goes with high attention). Query-free; tokens committed later are appended."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vericache_sglang.core.compress.base import Compressor, DroppedLayer, Observation, check_ratio
+from vericache_sglang.core.compress.scoring import budget, top_per_head
+
+
+@dataclass
+class KNormParams:
+    ratio: float = 0.25
+
+
+class KNorm(Compressor):
+    name = "knorm"
+    kind = "dropping"
+    Params = KNormParams
+    summary = "smallest key L2 norms per KV head (query-free)"
+
+    def validate(self) -> None:
+        check_ratio("knorm", self.params.ratio)
+
+    def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> DroppedLayer:
+        scores = -torch.linalg.vector_norm(k.float(), dim=-1)
+        return DroppedLayer.gather(k, v, top_per_head(scores, budget(self.params.ratio, k.shape[1])))
+
+    def update_layer(self, layer, k, v, positions, q) -> DroppedLayer:
+        assert isinstance(layer, DroppedLayer)
+        layer.append(k, v, positions)
+        return layer
