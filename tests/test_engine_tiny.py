@@ -228,3 +228,22 @@ def test_local_hf_directories_of_each_family_load_and_match_transformers(tmp_pat
     out = runner.forward([Segment(tokens, list(range(40)), ResidentKV(runner.layout, 40))])[0]
     assert (out.logits - ref).abs().max() < 1e-4
     assert loaded.model_id.startswith(tmp_path.name + "@")
+
+
+def test_batch_invariant_runner_is_exact_and_row_stable(tiny_runner, pre, reference, exactness):
+    """The GPU mode (64-row buckets, one-query attention per row) on CPU: the same tokens, and a
+    verify pass's rows equal to one-token decode steps bit for bit."""
+    inv = ModelRunner(tiny_runner.loaded, row_bucket=64, row_attention=True)
+    res = generate_vericache(inv, pre, parse_spec(COMPRESSORS[0]), store_for(inv), cfg(horizon=8))
+    cmp = compare(reference, res)
+    exactness("tiny greedy batch-invariant runner", cmp)
+    assert cmp["identical"], cmp
+    tokens = reference.tokens[:9]
+    n = len(pre.tokens)
+    many = inv.forward([Segment(tokens, list(range(n, n + 9)), ResidentKV.from_full(pre.kv, n + 9))])[0]
+    ctx = ResidentKV.from_full(pre.kv, n + 9)
+    for i, t in enumerate(tokens):
+        one = inv.forward([Segment([t], [n + i], ctx, logits="last")])[0]
+        assert torch.equal(one.logits[0], many.logits[i])
+    with pytest.raises(ValueError, match="row_bucket"):
+        ModelRunner(tiny_runner.loaded, row_bucket=-1)

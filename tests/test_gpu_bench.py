@@ -24,12 +24,17 @@ def test_quick_cpu_run_writes_every_section(tmp_path):
     assert out["errors"] == {}
     assert out["bandwidth"]["memory_bytes_s"] > 0
     assert out["decode"]["rows"] and out["kernels"]["equal_to_reference"] is True
+    checks = out["compressors"]["rows"]
+    assert {r["compressor"] for r in checks} >= {"h2o", "quest", "kvquant", "snapkv:ratio=0.25+kivi:bits=4"}
+    assert all(r.get("identical") for r in checks), [r for r in checks if not r.get("identical")]
     assert (tmp_path / "gpu_bench.md").read_text().startswith("# gpu_bench on cpu")
 
 
 def test_bad_arguments(tmp_path):
     assert run("--minutes", "0").returncode == 2
     assert run("--shape", "gpt-5").returncode == 2
+    assert run("--device", "cpu", "--quick", "--sections", "decode,nope").returncode == 2
+    assert run("--device", "cpu", "--quick", "--variants", "fp64").returncode == 2
     if not torch.cuda.is_available():
         done = run("--out", str(tmp_path))
         assert done.returncode == 2 and "no CUDA device" in done.stderr

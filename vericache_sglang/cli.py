@@ -41,6 +41,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
+                   help="compute every verified row as a one-token decode step would (auto: on a GPU)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=cmd_generate)
 
@@ -63,7 +65,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     progress = not args.quiet
     engine = Engine(args.model, store=args.store, device=args.device, dtype=getattr(torch, args.dtype),
-                    namespace=args.store_namespace, progress=progress)
+                    namespace=args.store_namespace, progress=progress,
+                    batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
     tokens = engine.encode(prompt, chat=not args.raw)
     cfg = engine.config(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
                         horizon=args.horizon, verify=args.verify, logprobs=args.logprobs,

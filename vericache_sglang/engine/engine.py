@@ -24,14 +24,22 @@ from vericache_sglang.engine.model import DEFAULT_MODEL, load_model
 from vericache_sglang.engine.runner import ModelRunner
 
 METHODS = ("vericache", "full", "lossy")
+BATCH_INVARIANT_ROWS = 64  # a decode step and a verify pass of up to 64 rows run the same GEMM shapes
 
 
 class Engine:
     def __init__(self, model: str = DEFAULT_MODEL, *, store: str = "memory://", device: str = "cpu",
                  dtype: torch.dtype = torch.float32, namespace: str = "default",
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, progress: bool = False):
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, progress: bool = False,
+                 batch_invariant: bool | None = None):
         self.loaded = load_model(model, device=device, dtype=dtype, progress=progress)
-        self.runner = ModelRunner(self.loaded)
+        # On a GPU a verify pass must compute each row as a one-token decode step would; measured on
+        # an H200 in bfloat16 (benchmarks/results/gpu/): without this, output drifts from full-KV
+        # decoding; with it, 15/15 compressors bit-identical. CPU kernels here need none of it.
+        if batch_invariant is None:
+            batch_invariant = str(device).startswith("cuda")
+        self.runner = ModelRunner(self.loaded, row_bucket=BATCH_INVARIANT_ROWS if batch_invariant else 0,
+                                  row_attention=batch_invariant)
         self.tokenizer = self.loaded.tokenizer
         backend = open_store(store, memory_bandwidth=lambda: memory_bandwidth(str(self.runner.device)))
         self.store = FullKVStore(backend, self.runner.layout, namespace, chunk_tokens)
