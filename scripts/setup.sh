@@ -33,7 +33,7 @@ stamp=.venv/.vericache-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing the project and its pinned dependencies (torch 2.14.1, transformers 5.19.0)" >&2
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e '.[dev]'
+  .venv/bin/python -m pip install --quiet -e '.[dev,serve]'
   touch "$stamp"
 fi
 # sglang for the plugin's CPU tests: the wheel without its dependencies (CUDA-only kernels), then

@@ -33,3 +33,25 @@ def test_prefix_quick(tmp_path):
     assert out["identical"] is True
     assert set(out["ttft_s"]) == set(out["throughput_tok_s"]) == {"fetch_then_decode", "vericache"}
     assert (tmp_path / "prefix_quick.png").is_file()
+
+
+def test_acceptance_quick(tmp_path):
+    """benchmarks/acceptance.py --quick: the estimator agrees with the live run it is checked
+    against, and the table, plots and KL curves are written."""
+    from conftest import REPO
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "acceptance.py"), "--quick", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = json.loads((tmp_path / "acceptance.json").read_text())
+    assert out["grid"] and all(r["mean_accepted_length"] >= 1.0 for r in out["grid"])
+    for check in out["live_checks"]:
+        assert check["live_identical"] is True
+        # The estimator drafts a window in one forward, the engine step by step: float rounding
+        # differs, so a near-tie could flip one window; measured equal so far.
+        assert check["live_mean_accepted_length"] == pytest.approx(check["estimated_mean_accepted_length"], abs=0.25)
+    assert all(curve[0] == 0.0 and len(curve) == out["config"]["new_tokens"] for curve in out["kl"].values())
+    assert out["adaptive"] and all(a["adaptive"] > 0 for a in out["adaptive"])
+    for name in ("acceptance.md", "acceptance_mean_accepted_length_vs_horizon.png", "acceptance_vs_ratio.png",
+                 "acceptance_kl_vs_step.png"):
+        assert (tmp_path / name).is_file()

@@ -225,3 +225,13 @@ def test_kvzip_needs_a_tokenizer_and_a_model(pre):
 
     with pytest.raises(ValueError, match="needs the model"):
         parse_spec("kvzip").compress(pre.kv, Observation(pre.obs.queries))
+
+
+def test_a_short_observed_tail_is_recomputed(tiny_runner, pre):
+    """A prefill that reused a stored prefix observed only its last few tokens: a windowed scorer
+    gets its window from the model, the same queries the full prefill kept."""
+    short = prefill(tiny_runner, pre.tokens, chunk=128, prefix=pre.kv.slice(0, N - 5))
+    assert short.obs.queries[0].shape[1] == 5
+    a = parse_spec("snapkv:window=16").compress(short.kv, short.obs).layers[0]
+    b = parse_spec("snapkv:window=16").compress(pre.kv, pre.obs).layers[0]
+    assert torch.equal(a.positions, b.positions)

@@ -247,3 +247,12 @@ def test_batch_invariant_runner_is_exact_and_row_stable(tiny_runner, pre, refere
         assert torch.equal(one.logits[0], many.logits[i])
     with pytest.raises(ValueError, match="row_bucket"):
         ModelRunner(tiny_runner.loaded, row_bucket=-1)
+
+
+def test_adaptive_horizon_is_exact_and_follows_costs(tiny_runner, pre, reference, exactness):
+    res = generate_vericache(tiny_runner, pre, parse_spec("kivi:bits=4,group=16,residual=32"),
+                             store_for(tiny_runner), cfg(horizon=64, adaptive_horizon=True))
+    cmp = compare(reference, res)
+    exactness("tiny greedy adaptive horizon", cmp)
+    assert cmp["identical"], cmp
+    assert res.stats.drafted[0] == 16 and len(set(res.stats.drafted)) > 1  # it adapts after the first window

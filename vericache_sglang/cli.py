@@ -1,4 +1,4 @@
-"""``vericache``: generate, compressors, model."""
+"""``vericache``: generate, serve, compressors, bench, model."""
 
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--compressor", default="snapkv:ratio=0.25", help="compressor spec, e.g. kivi:bits=2")
-    p.add_argument("--horizon", type=int, default=16, help="drafted tokens per verification (x)")
+    p.add_argument("--horizon", type=int, default=16,
+                   help="drafted tokens per verification (x); with --adaptive-horizon, the most")
+    p.add_argument("--adaptive-horizon", action="store_true",
+                   help="choose each window's length from the acceptance so far and the measured costs")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -69,8 +72,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
     tokens = engine.encode(prompt, chat=not args.raw)
     cfg = engine.config(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
-                        horizon=args.horizon, verify=args.verify, logprobs=args.logprobs,
-                        keep_logits=args.check, on_store_error=args.on_store_error)
+                        horizon=args.horizon, adaptive_horizon=args.adaptive_horizon, verify=args.verify,
+                        logprobs=args.logprobs, keep_logits=args.check, on_store_error=args.on_store_error)
     pre = engine.prefill(tokens)
     result = engine.generate(pre, "vericache", compressor, cfg)
     report: dict[str, object] = {
@@ -156,10 +159,62 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if summary.get("identical", True) else 1
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default), 'tiny', or a local HF model dir")
+    p.add_argument("--served-model-name", help="the model name clients use (default: the model's)")
+    p.add_argument("--compressor", default="snapkv:ratio=0.25", help="default compressor spec (per request: "
+                   "the 'vericache' object's 'compressor')")
+    p.add_argument("--horizon", type=int, default=16, help="default draft horizon")
+    p.add_argument("--store", default="memory://", help="full-KV store URL (as for generate)")
+    p.add_argument("--store-namespace", default="default")
+    p.add_argument("--kv-budget-bytes", type=int, default=4 << 30, help="device bytes for compressed KV and reloads")
+    p.add_argument("--max-prompt-tokens", type=int, default=8192)
+    p.add_argument("--max-tokens", type=int, default=2048, help="the most a request may ask for")
+    p.add_argument("--max-concurrency", type=int, default=16, help="requests in flight; more get HTTP 429")
+    p.add_argument("--api-key-file", type=Path, help="require 'Authorization: Bearer <key>' (key read from file)")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from vericache_sglang.core.compress import parse_spec
+    from vericache_sglang.engine.engine import Engine
+    from vericache_sglang.serve.openai_api import create_app
+    from vericache_sglang.serve.service import EngineService, Limits
+
+    parse_spec(args.compressor)  # a bad spec fails before the model loads
+    api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
+    if args.api_key_file and not api_key:
+        raise ValueError(f"{args.api_key_file} is empty")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(args.model, store=args.store, device=args.device, dtype=getattr(torch, args.dtype),
+                    namespace=args.store_namespace)
+    limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
+                    max_concurrency=args.max_concurrency)
+    service = EngineService(engine, args.compressor, args.horizon, args.kv_budget_bytes, limits)
+    service.start()
+    name = args.served_model_name or engine.loaded.name
+    try:
+        uvicorn.run(create_app(service, name, api_key), host=args.host, port=args.port, log_level="info")
+    finally:
+        service.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     p = sub.add_parser("compressors", help="list the compressors, their parameters and defaults")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compressors)

@@ -19,7 +19,10 @@ The device here is whatever the runner runs on; "device bytes" are accounted, as
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,13 +92,29 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+@dataclass
+class Job:
+    """A submitted request: its prefill, its own generation settings and compressor, and where its
+    committed tokens, result or failure go (a server streams them; benchmarks read ``results``)."""
+
+    rid: str
+    pre: Prefill
+    gen: GenerationConfig
+    compressor: Compressor
+    on_commit: Callable[[list[int]], None] | None = None
+    on_done: Callable[[GenerationResult], None] | None = None
+    on_error: Callable[[BaseException], None] | None = None
+
+
 class _Plain:
     """A request decoded one token per iteration on a resident, offloaded or compressed KV."""
 
-    def __init__(self, rid: str, pre: Prefill, cfg: GenerationConfig, method: str, tokenizer: object | None):
+    def __init__(self, rid: str, pre: Prefill, cfg: GenerationConfig, method: str, tokenizer: object | None,
+                 compressor: Compressor, on_commit: Callable[[list[int]], None] | None = None):
         self.rid = rid
         self.cfg = cfg
-        self.out = Output(method, cfg, tokenizer, None)
+        self.compressor = compressor
+        self.out = Output(method, cfg, tokenizer, on_commit)
         self.sampler = Sampler(cfg.sampling)
         self.tokens = list(pre.tokens)
         self.started = time.monotonic()
@@ -130,38 +149,52 @@ class BatchEngine:
         self.gen = gen
         self.tokenizer = tokenizer
         self.per_token = runner.layout.bytes_per_token
-        self.queue: list[tuple[str, Prefill]] = []
+        self.queue: deque[Job] = deque()
+        self._lock = threading.Lock()  # submit() may run on other threads (a server)
+        self.jobs: dict[str, Job] = {}
+        self.intake: Callable[[], None] | None = None  # called every iteration: a server prefills arrivals
         self.stats = BatchStats()
         self.results: dict[str, GenerationResult] = {}
         self._fetch_intervals: list[tuple[float, float]] = []
         self._compressed_sizes: dict[int, int] = {}
+        self._reload_reserve = 0
 
-    def submit(self, pre: Prefill, request_id: str) -> None:
-        self.queue.append((request_id, pre))
+    def submit(self, pre: Prefill, request_id: str, gen: GenerationConfig | None = None,
+               compressor: Compressor | None = None, on_commit: Callable[[list[int]], None] | None = None,
+               on_done: Callable[[GenerationResult], None] | None = None,
+               on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Queue a prefilled request; ``gen`` and ``compressor`` default to the engine's."""
+        job = Job(request_id, pre, gen or self.gen, compressor or self.compressor, on_commit, on_done, on_error)
+        with self._lock:
+            if request_id in self.jobs:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.jobs[request_id] = job
+            self.queue.append(job)
 
     # device-byte accounting
-    def _full_reserve(self, pre: Prefill) -> int:
-        return (len(pre.tokens) + self.gen.max_new_tokens) * self.per_token
+    def _full_reserve(self, job: Job) -> int:
+        return (len(job.pre.tokens) + job.gen.max_new_tokens) * self.per_token
 
-    def _compressed_reserve(self, pre: Prefill) -> int:
+    def _compressed_reserve(self, job: Job) -> int:
         # the compressed prompt plus every committed token's exact K/V (what an online update appends)
-        key = id(pre)
+        key = (id(job.pre), job.compressor.spec)
         if key not in self._compressed_sizes:
-            self._compressed_sizes[key] = self.compressor.compress(pre.kv, pre.obs).nbytes
-        return self._compressed_sizes[key] + self.gen.max_new_tokens * self.per_token
+            self._compressed_sizes[key] = job.compressor.compress(job.pre.kv, job.pre.obs).nbytes
+        return self._compressed_sizes[key] + job.gen.max_new_tokens * self.per_token
 
-    def _device_need(self, pre: Prefill) -> int:
+    def _device_need(self, job: Job) -> int:
         mode = self.batch.mode
         if mode == "full_resident":
-            return self._full_reserve(pre)
+            return self._full_reserve(job)
         if mode == "full_offloaded":  # two layers' worth of its full KV in flight (double buffering)
-            return 2 * self._full_reserve(pre) // self.runner.layout.num_layers
+            return 2 * self._full_reserve(job) // self.runner.layout.num_layers
         if mode == "vericache" and self.batch.schedule == "lockstep":
             # every request's reload is on the device at once, at each common verification
-            return self._compressed_reserve(pre) + self._full_reserve(pre)
-        return self._compressed_reserve(pre)
+            return self._compressed_reserve(job) + self._full_reserve(job)
+        return self._compressed_reserve(job)
 
     def run(self) -> dict[str, GenerationResult]:
+        """Decode everything queued to the end."""
         start = time.monotonic()
         if self.batch.mode == "vericache":
             self._run_vericache()
@@ -172,31 +205,85 @@ class BatchEngine:
         self.stats.generated_tokens = sum(len(r.tokens) for r in self.results.values())
         return self.results
 
-    def _join(self, running: dict, used: int, reserve_for_reloads: int = 0) -> int:
+    def serve(self, stop: threading.Event, idle_s: float = 0.005) -> None:
+        """Decode requests as they arrive until ``stop`` is set (a server's engine thread). A failure
+        inside a batch fails that batch's requests through ``on_error``; nothing unverified was
+        emitted, and serving goes on."""
+        while not stop.is_set():
+            if self.intake is not None:
+                self.intake()
+            if not self.queue:
+                stop.wait(idle_s)
+                continue
+            running: dict = {}
+            try:
+                self._run_vericache(running) if self.batch.mode == "vericache" else self._run_plain(running)
+            except Exception as e:  # the failure goes to every request it touched
+                for rid, (req, _) in list(running.items()):
+                    running.pop(rid)
+                    self._fail(rid, req, e)
+
+    def _fail(self, rid: str, req: object, error: BaseException) -> None:
+        job = self.jobs.pop(rid, None)
+        release = getattr(req, "release", None)
+        try:
+            if release is not None:
+                release()
+        except Exception:  # the request has failed already; its store handle may be gone
+            pass
+        if job is not None and job.on_error is not None:
+            job.on_error(error)
+
+    def _finish(self, rid: str, result: GenerationResult) -> None:
+        job = self.jobs.pop(rid, None)
+        if job is not None and job.on_done is not None:
+            job.on_done(result)
+        else:
+            self.results[rid] = result
+
+    def _join(self, running: dict, used: int, reserve_for_reloads: bool = False) -> int:
         """Move queued requests into the batch while their device bytes fit; return bytes in use."""
+        if self.intake is not None:
+            self.intake()
         while self.queue and len(running) < self.batch.max_running:
-            rid, pre = self.queue[0]
-            need = self._device_need(pre)
-            if used + need + reserve_for_reloads > self.batch.kv_budget_bytes:
-                if not running:
-                    raise ValueError(f"request {rid} needs {need + reserve_for_reloads} device bytes; the budget "
-                                     f"is {self.batch.kv_budget_bytes}")
-                break
-            self.queue.pop(0)
-            running[rid] = (self._start(rid, pre), need)
+            job = self.queue[0]
+            try:
+                need = self._device_need(job)
+                reserve = max(self._reload_reserve, self._full_reserve(job)) if reserve_for_reloads else 0
+                if used + need + reserve > self.batch.kv_budget_bytes:
+                    if running:
+                        break  # it waits for room
+                    raise ValueError(f"request {job.rid} needs {need + reserve} device bytes; the budget is "
+                                     f"{self.batch.kv_budget_bytes}")
+                with self._lock:
+                    self.queue.popleft()
+                req = self._start(job)
+            except Exception as e:  # this request cannot start (bad input, budget): it fails alone
+                with self._lock:
+                    if self.queue and self.queue[0] is job:
+                        self.queue.popleft()
+                self.jobs.pop(job.rid, None)
+                if job.on_error is None:
+                    raise
+                job.on_error(e)
+                continue
+            if reserve_for_reloads:
+                self._reload_reserve = reserve
+            running[job.rid] = (req, need)
             used += need
         return used
 
-    def _start(self, rid: str, pre: Prefill):
-        mode = self.batch.mode
+    def _start(self, job: Job):
+        mode, rid, pre = self.batch.mode, job.rid, job.pre
         if mode == "vericache":
-            return VeriCacheRequest(self.runner, pre, self.compressor, self.store, self.gen, self.tokenizer,
-                                    request_id=rid, recompute=lambda t: recompute_full_kv(self.runner, t))
-        req = _Plain(rid, pre, self.gen, mode, self.tokenizer)
+            return VeriCacheRequest(self.runner, pre, job.compressor, self.store, job.gen, self.tokenizer,
+                                    job.on_commit, request_id=rid,
+                                    recompute=lambda t: recompute_full_kv(self.runner, t))
+        req = _Plain(rid, pre, job.gen, mode, self.tokenizer, job.compressor, job.on_commit)
         if mode == "full_resident":
-            req.ctx = ResidentKV.from_full(pre.kv, len(pre.tokens) + self.gen.max_new_tokens, self.runner.device)
+            req.ctx = ResidentKV.from_full(pre.kv, len(pre.tokens) + job.gen.max_new_tokens, self.runner.device)
         elif mode == "lossy":
-            req.ckv = self.compressor.compress(pre.kv, pre.obs)
+            req.ckv = job.compressor.compress(pre.kv, pre.obs)
         else:
             req.kv = self.store.open_request(pre.tokens, rid)
             req.kv.extend_tokens(req.tokens[len(pre.tokens):])
@@ -204,8 +291,8 @@ class BatchEngine:
         return req
 
     # full-KV resident, offloaded, lossy: one token per request per iteration
-    def _run_plain(self) -> None:
-        running: dict[str, tuple[_Plain, int]] = {}
+    def _run_plain(self, running: dict | None = None) -> None:
+        running = {} if running is None else running
         used = self._join(running, 0)
         layers = self.runner.layout.num_layers
         while running:
@@ -220,18 +307,18 @@ class BatchEngine:
                 elif self.batch.mode == "lossy":
                     ctx = DraftKV(req.ckv)
                 else:
-                    req.feed = FullKVFetch(req.kv, pos, layers, req.pending, self.gen.fetch_timeout_s,
+                    req.feed = FullKVFetch(req.kv, pos, layers, req.pending, req.cfg.fetch_timeout_s,
                                            device=self.runner.device)
                     req.pending = None
                     ctx = StreamedKV(req.feed)
-                keep = int(self.batch.mode == "lossy" and self.compressor.update_queries)
+                keep = int(self.batch.mode == "lossy" and req.compressor.update_queries)
                 segments.append(Segment([req.tokens[-1]], [pos], ctx, logits="last", keep_queries=keep))
                 owners.append(req)
             outs = self.runner.forward(segments) if segments else []
             for req, out in zip(owners, outs, strict=True):
                 pos = len(req.tokens) - 1
                 if self.batch.mode == "lossy":
-                    self.compressor.commit(req.ckv, out.kv, torch.tensor([pos]), out.queries)
+                    req.compressor.commit(req.ckv, out.kv, torch.tensor([pos]), out.queries)
                 elif self.batch.mode == "full_offloaded":
                     self._account_fetch(req.feed, None, wait=True)
                     req.pending = (pos, out.kv)  # written by the next step's fetch, before it reads
@@ -244,7 +331,7 @@ class BatchEngine:
                 used -= need
                 if self.batch.mode == "full_offloaded":
                     req.kv.release()
-                self.results[rid] = req.result()
+                self._finish(rid, req.result())
             used = self._join(running, used)
 
     def _end_iteration(self, started: float, running: dict) -> None:
@@ -255,13 +342,13 @@ class BatchEngine:
         self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, sum(n for _, n in running.values()))
 
     # VeriCache
-    def _run_vericache(self) -> None:
+    def _run_vericache(self, running: dict | None = None) -> None:
+        running = {} if running is None else running
         if self.batch.schedule == "lockstep":
-            return self._run_lockstep()
-        running: dict[str, tuple[VeriCacheRequest, int]] = {}
+            return self._run_lockstep(running)
         # room for the largest reload must stay free, or no verification could ever be scheduled
-        reload_reserve = max(self._full_reserve(p) for _, p in self.queue)
-        used = self._finish_done(running, self._join(running, 0, reload_reserve))
+        self._reload_reserve = 0
+        used = self._finish_done(running, self._join(running, 0, reserve_for_reloads=True))
         sched = StaggeredScheduler(self.batch.window, iteration_s=0.05, link_bytes_s=self._link_estimate(),
                                    memory_capacity=self.batch.kv_budget_bytes - used)
         to_admit = list(running)
@@ -301,9 +388,9 @@ class BatchEngine:
                 req, need = running.pop(rid)
                 used -= need
                 req.release()
-                self.results[rid] = req.result()
+                self._finish(rid, req.result())
             before = set(running)
-            used = self._finish_done(running, self._join(running, used, reload_reserve))
+            used = self._finish_done(running, self._join(running, used, reserve_for_reloads=True))
             to_admit += [rid for rid in running if rid not in before]
             sched.set_memory_capacity(self.batch.kv_budget_bytes - used)
             self._end_iteration(t, running)
@@ -316,7 +403,7 @@ class BatchEngine:
             req, need = running.pop(rid)
             used -= need
             req.release()
-            self.results[rid] = req.result()
+            self._finish(rid, req.result())
         return used
 
     def _link_estimate(self) -> float:
@@ -347,8 +434,7 @@ class BatchEngine:
             req = running[res.request_id][0]
             req.begin_window(req.next_horizon(res.verify_at - sched.now))
 
-    def _run_lockstep(self) -> None:
-        running: dict[str, tuple[VeriCacheRequest, int]] = {}
+    def _run_lockstep(self, running: dict) -> None:
         used = self._finish_done(running, self._join(running, 0))
         while running:
             reqs = [req for req, _ in running.values()]

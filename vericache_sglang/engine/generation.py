@@ -30,7 +30,8 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_strings: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
-    horizon: int = 16  # drafted tokens per verification
+    horizon: int = 16  # drafted tokens per verification (with adaptive_horizon: the most)
+    adaptive_horizon: bool = False  # choose each window's length from acceptance and measured costs
     verify: str = "exact"  # "exact": position-keyed coupling; "rejection": speculative rejection sampling
     logprobs: bool = False
     keep_logits: bool = False  # keep the logits of every committed token (for --check)

@@ -33,6 +33,16 @@ class RunnerObservation:
             self._queries = [torch.cat(p, dim=1) for p in parts]
         return self._queries
 
+    def tail_queries(self, n: int) -> list[torch.Tensor]:
+        n = min(n, len(self._tokens))
+        if self._queries is not None:
+            return [q[:, -n:] for q in self._queries]
+        start = len(self._tokens) - n
+        ctx = ResidentKV.from_full(self.kv.slice(0, start), len(self._tokens), self.runner.device)
+        out = self.runner.forward([Segment(self._tokens[start:], list(range(start, len(self._tokens))), ctx,
+                                           logits="none", keep_queries=n)])[0]
+        return out.queries
+
     def rope(self) -> Rope:
         rotary = self.runner.rotary
         return Rope(rotary.inv_freq.detach().float().clone(), float(getattr(rotary, "attention_scaling", 1.0)))

@@ -17,6 +17,7 @@ import torch
 from remote_store.fullkv import FullKVStore
 from vericache_sglang.core.accept import Verdict, greedy_accept, rejection_accept
 from vericache_sglang.core.compress import Compressor
+from vericache_sglang.core.horizon import AdaptiveHorizon, WindowCost
 from vericache_sglang.core.kv import CompressedKV
 from vericache_sglang.core.sampling import STREAM_DRAFT, Sampler
 from vericache_sglang.engine.fetch import FetchError, FullKVFetch, ResidentFeed
@@ -31,6 +32,7 @@ from vericache_sglang.engine.runner import (
     Timeline,
 )
 
+FIRST_ADAPTIVE_WINDOW = 16  # before any cost is measured
 log = logging.getLogger(__name__)
 
 
@@ -62,6 +64,13 @@ class VeriCacheRequest:
         self.draft_probs: list[torch.Tensor] = []
         self.x = 0
         self._draft_ctx: DraftKV | None = None
+        # Measured costs for the adaptive horizon (exponential averages): per draft step, per verify
+        # pass (compute, fetch wait excluded), and the link's bytes per second.
+        self.policy = AdaptiveHorizon(max_horizon=cfg.horizon) if cfg.adaptive_horizon else None
+        self.draft_s: float | None = None
+        self.verify_s: float | None = None
+        self.link_bytes_s: float | None = None
+        self._window_started = self._verify_started = 0.0
         if pre is not None:
             self.ckv = compressor.compress(pre.kv, pre.obs)
             self.kv = store.open_request(pre.tokens, request_id)
@@ -93,9 +102,31 @@ class VeriCacheRequest:
         return self.exact_upto
 
     def next_horizon(self, horizon: int | None = None) -> int:
-        """The draft length for the next window: the horizon, cut so nothing past the end is drafted."""
+        """The draft length for the next window: the horizon (or the adaptive policy's choice), cut
+        so nothing past the end is drafted."""
         x = self.cfg.horizon if horizon is None else horizon
+        if horizon is None and self.policy is not None:
+            x = self._adaptive_horizon()
         return max(0, min(x, self.out.stop.remaining - 1, self.runner.max_positions - len(self.tokens) - 1))
+
+    def window_cost(self) -> WindowCost | None:
+        """The next window's cost from what was measured so far (None before the first window)."""
+        if self.draft_s is None or self.verify_s is None:
+            return None
+        transfer = 0.0
+        if self.resident is None and self.link_bytes_s:
+            transfer = self.next_reload_bytes() / self.link_bytes_s
+        return WindowCost(self.draft_s, self.verify_s, transfer)
+
+    def _adaptive_horizon(self) -> int:
+        cost = self.window_cost()
+        if cost is None:
+            return min(FIRST_ADAPTIVE_WINDOW, self.cfg.horizon)
+        return self.policy.choose(self.stats.drafted, self.stats.accepted, cost)
+
+    @staticmethod
+    def _ema(old: float | None, new: float) -> float:
+        return new if old is None else 0.5 * old + 0.5 * new
 
     def full_kv_bytes(self) -> int:
         return self.context_tokens * self.runner.layout.bytes_per_token
@@ -140,6 +171,7 @@ class VeriCacheRequest:
 
     # drafting
     def begin_window(self, x: int) -> None:
+        self._window_started = time.monotonic()
         self.x = x
         self.drafts, self.draft_probs = [], []
         self._draft_ctx = DraftKV(self.ckv)
@@ -167,6 +199,9 @@ class VeriCacheRequest:
 
     # verification
     def verify_segment(self) -> Segment:
+        self._verify_started = time.monotonic()
+        if self.drafts:
+            self.draft_s = self._ema(self.draft_s, (self._verify_started - self._window_started) / len(self.drafts))
         inputs = [*self.tokens[self.exact_upto :], *self.drafts]
         return Segment(inputs, list(range(self.exact_upto, self.exact_upto + len(inputs))), StreamedKV(self.feed),
                        keep_queries=len(inputs) if self.compressor.update_queries else 0)
@@ -180,6 +215,7 @@ class VeriCacheRequest:
         stats = self.stats
         stats.verify_passes += 1
         stats.fetch_wait_s += feed.wait_s
+        self._measure(feed)
         stats.fetch_bytes.append(feed.bytes_fetched)
         self.last_read_bytes = feed.bytes_fetched
         n, q = len(self.tokens), len(self.tokens) - self.exact_upto
@@ -203,6 +239,14 @@ class VeriCacheRequest:
         stats.committed.append(taken)
         self.drafts, self.draft_probs, self._draft_ctx = [], [], None
         return verdict
+
+    def _measure(self, feed: FullKVFetch | ResidentFeed) -> None:
+        now = time.monotonic()
+        if self._verify_started:
+            self.verify_s = self._ema(self.verify_s, max(0.0, now - self._verify_started - feed.wait_s))
+        started, last = getattr(feed, "started", None), feed.arrival[-1] if feed.arrival else None
+        if started is not None and last is not None and last > started and feed.bytes_fetched:
+            self.link_bytes_s = self._ema(self.link_bytes_s, feed.bytes_fetched / (last - started))
 
     def _accept(self, logits: torch.Tensor, positions: list[int]) -> Verdict:
         token_positions = [p + 1 for p in positions]

@@ -52,6 +52,10 @@ class ObservationSource(Protocol):
         """Post-RoPE queries ``[q_heads, tokens, head_dim]`` of every prompt token, per layer."""
         ...
 
+    def tail_queries(self, n: int) -> list[torch.Tensor]:
+        """Post-RoPE queries of the prompt's last ``n`` tokens, per layer."""
+        ...
+
     @property
     def tokens(self) -> list[int]:
         """The prompt's token ids."""
@@ -83,12 +87,18 @@ class Observation:
     source: ObservationSource | None = None
 
     def window_queries(self, layer: int, window: int) -> torch.Tensor:
+        kept = 0 if self.queries is None else self.queries[layer].shape[1]
+        if kept < window and self.source is not None:
+            # The prefill computed fewer tokens than the window (a stored prefix was reused): the
+            # model recomputes the queries of the prompt's last tokens.
+            self.queries = self.source.tail_queries(window)
+            kept = self.queries[layer].shape[1]
         if self.queries is None:
             raise ValueError("this compressor needs the prefill's observation queries")
+        if kept < window:
+            raise ValueError(f"observation window of {window} tokens asked, prefill kept {kept}")
         q = self.queries[layer]
-        if q.shape[1] < window:
-            raise ValueError(f"observation window of {window} tokens asked, prefill kept {q.shape[1]}")
-        return q[:, q.shape[1] - window :]
+        return q[:, kept - window :]
 
     def model(self, who: str) -> ObservationSource:
         if self.source is None:

@@ -1,0 +1,1 @@
+"""``vericache serve``: the reference engine behind an OpenAI-compatible HTTP API."""

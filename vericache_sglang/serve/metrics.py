@@ -1,0 +1,47 @@
+"""Prometheus metrics of a VeriCache server, in a registry of its own (one per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from vericache_sglang.engine.generation import GenerationResult
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("vericache_requests", "Requests by outcome", ["status"], registry=r)
+        self.generated_tokens = Counter("vericache_generated_tokens", "Verified tokens returned", registry=r)
+        self.prompt_tokens = Counter("vericache_prompt_tokens", "Prompt tokens received", registry=r)
+        self.verify_passes = Counter("vericache_verify_passes", "Verification passes over the full KV", registry=r)
+        self.accepted_length = Histogram("vericache_accepted_length", "Tokens committed per verification",
+                                         buckets=(1, 2, 4, 8, 16, 32, 64, 65), registry=r)
+        self.full_kv_bytes = Counter("vericache_full_kv_fetched_bytes", "Full-KV bytes fetched from the store",
+                                     registry=r)
+        self.link_wait = Counter("vericache_link_wait_seconds", "Time verifications waited for full-KV layers",
+                                 registry=r)
+        self.store_errors = Counter("vericache_store_errors", "Fetches that failed and fell back or failed the request",
+                                    registry=r)
+        self.decode_rate = Gauge("vericache_decode_tokens_per_second", "Decode rate of the last finished request",
+                                 registry=r)
+        self.running = Gauge("vericache_requests_in_flight", "Requests admitted and not finished", registry=r)
+
+    def finished(self, result: GenerationResult, prompt_tokens: int) -> None:
+        s = result.stats
+        self.requests.labels("ok").inc()
+        self.generated_tokens.inc(len(result.tokens))
+        self.prompt_tokens.inc(prompt_tokens)
+        self.verify_passes.inc(s.verify_passes)
+        for n in s.committed:
+            self.accepted_length.observe(n)
+        self.full_kv_bytes.inc(sum(s.fetch_bytes))
+        self.link_wait.inc(s.fetch_wait_s)
+        self.store_errors.inc(s.store_fallbacks)
+        self.decode_rate.set(result.tokens_per_second)
+
+    def failed(self, status: str) -> None:
+        self.requests.labels(status).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (both streaming),
+``/v1/models``, ``/health`` and Prometheus ``/metrics``. Field names follow OpenAI and, where it
+adds some (``top_k``), SGLang; per-request VeriCache options go in a ``vericache`` object
+(``compressor``, ``horizon``, ``adaptive_horizon``) and every response carries the request's
+verification statistics under ``vericache``. Streamed text only ever holds verified tokens, and
+is held back where it could still turn out to be part of a stop string."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from vericache_sglang.core.sampling import SamplingParams
+from vericache_sglang.engine.generation import GenerationResult
+from vericache_sglang.serve.service import EngineService, Handle, ServeError
+
+STREAM_IDLE_S = 600.0  # a stream with no event for this long ends with an error
+
+
+class VeriCacheOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    compressor: str | None = None
+    horizon: int | None = None
+    adaptive_horizon: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields this server does not use
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = 1
+    logprobs: bool | int | None = None
+    vericache: VeriCacheOptions = Field(default_factory=VeriCacheOptions)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def vericache_stats(handle: Handle, result: GenerationResult) -> dict[str, Any]:
+    s = result.stats
+    return {"compressor": handle.compressor, "horizon": handle.horizon, "verify_passes": s.verify_passes,
+            "mean_accepted_length": s.mean_accepted_length, "acceptance_rate": s.acceptance_rate,
+            "full_kv_bytes_fetched": sum(s.fetch_bytes), "link_wait_s": s.fetch_wait_s,
+            "store_fallbacks": s.store_fallbacks, "decode_tokens_per_second": result.tokens_per_second}
+
+
+class TextDeltas:
+    """Streamed text: what the verified tokens spell, minus a tail that could begin a stop string."""
+
+    def __init__(self, tokenizer: object, stop: tuple[str, ...]):
+        self.tokenizer, self.tokens, self.sent = tokenizer, [], ""
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def push(self, tokens: list[int]) -> str:
+        self.tokens += tokens
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        safe = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")  # never half a character
+        if not safe.startswith(self.sent) or len(safe) <= len(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent) :], safe
+        return delta
+
+    def finish(self, final: str) -> str:
+        return final[len(self.sent) :] if final.startswith(self.sent) else ""
+
+
+def create_app(service: EngineService, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="VeriCache", version="0.1")
+    tokenizer = service.engine.tokenizer
+
+    @app.exception_handler(ServeError)
+    async def _serve_error(_: Request, e: ServeError) -> JSONResponse:
+        return _error(e.status, e.message, e.kind, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:])
+        return _error(400, f"{where}: {first.get('msg', 'invalid request')}", param=where or None)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        if not service.alive:
+            return _error(503, "the engine thread is not running", "server_error")
+        return JSONResponse({"status": "ok", "model": model_name})
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "vericache",
+                                            "created": 0}]}
+
+    def submit(req: _Common, tokens: list[int], max_tokens: int | None) -> tuple[Handle, tuple[str, ...]]:
+        if req.n != 1:
+            raise ServeError(400, "n > 1 is not supported", param="n")
+        if req.model not in (None, model_name):
+            raise ServeError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
+                             "not_found_error", "model")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        try:
+            sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                                      seed=req.seed or 0)
+        except ValueError as e:
+            raise ServeError(400, str(e)) from None
+        v = req.vericache
+        handle = service.submit(tokens, max_new_tokens=16 if max_tokens is None else max_tokens, sampling=sampling,
+                                stop=stop, compressor=v.compressor, horizon=v.horizon,
+                                adaptive_horizon=v.adaptive_horizon, logprobs=bool(req.logprobs))
+        return handle, stop
+
+    def wait(handle: Handle) -> GenerationResult:
+        for kind, value in handle.stream(STREAM_IDLE_S):
+            if kind == "done":
+                return value
+            if kind == "error":
+                raise ServeError(500, f"request failed; no unverified token was returned: {value}", "server_error")
+        raise AssertionError("unreachable")
+
+    def usage(handle: Handle, result: GenerationResult) -> dict:
+        return {"prompt_tokens": handle.prompt_tokens, "completion_tokens": len(result.tokens),
+                "total_tokens": handle.prompt_tokens + len(result.tokens)}
+
+    def sse(chunks: Iterator[dict]) -> StreamingResponse:
+        def body() -> Iterator[str]:
+            for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    def events(handle: Handle, stop: tuple[str, ...], make: Any) -> Iterator[dict]:
+        """Chunks for a stream; ``make(text, finish_reason, extra)`` builds one."""
+        deltas = TextDeltas(tokenizer, stop)
+        for kind, value in handle.stream(STREAM_IDLE_S):
+            if kind == "tokens":
+                text = deltas.push(value)
+                if text:
+                    yield make(text, None, {})
+            elif kind == "done":
+                yield make(deltas.finish(value.text), value.finish_reason,
+                           {"usage": usage(handle, value), "vericache": vericache_stats(handle, value)})
+            else:
+                yield {"error": {"message": f"request failed; no unverified token was returned: {value}",
+                                 "type": "server_error", "code": 500}}
+
+    @app.post("/v1/completions")
+    def completions(req: CompletionRequest) -> Any:
+        if isinstance(req.prompt, str):
+            if tokenizer is None:
+                raise ServeError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+            tokens = list(tokenizer(req.prompt)["input_ids"])
+        else:
+            tokens = list(req.prompt)
+        handle, stop = submit(req, tokens, req.max_tokens)
+        created = int(time.time())
+
+        def chunk(text: str, finish: str | None, extra: dict) -> dict:
+            return {"id": handle.id, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], **extra}
+
+        if req.stream:
+            return sse(events(handle, stop, chunk))
+        result = wait(handle)
+        body = chunk(result.text, result.finish_reason, {"usage": usage(handle, result),
+                                                          "vericache": vericache_stats(handle, result)})
+        if result.logprobs is not None:
+            body["choices"][0]["logprobs"] = {"tokens": [tokenizer.decode([t]) if tokenizer else str(t)
+                                                         for t in result.tokens],
+                                              "token_logprobs": result.logprobs}
+        body["choices"][0]["token_ids"] = result.tokens
+        return body
+
+    @app.post("/v1/chat/completions")
+    def chat(req: ChatRequest) -> Any:
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ServeError(400, "this model has no chat template: use /v1/completions")
+        if not req.messages:
+            raise ServeError(400, "messages is empty", param="messages")
+        tokens = list(tokenizer.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)["input_ids"])
+        handle, stop = submit(req, tokens, req.max_completion_tokens or req.max_tokens)
+        created = int(time.time())
+
+        def chunk(text: str, finish: str | None, extra: dict) -> dict:
+            return {"id": handle.id.replace("cmpl", "chatcmpl"), "object": "chat.completion.chunk",
+                    "created": created, "model": model_name,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
+                                 "finish_reason": finish}], **extra}
+
+        if req.stream:
+            return sse(events(handle, stop, chunk))
+        result = wait(handle)
+        return {"id": handle.id.replace("cmpl", "chatcmpl"), "object": "chat.completion", "created": created,
+                "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                             "finish_reason": result.finish_reason}],
+                "usage": usage(handle, result), "vericache": vericache_stats(handle, result)}
+
+    return app
