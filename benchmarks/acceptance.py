@@ -43,7 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--config", type=Path)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--replot", action="store_true", help="redraw the table and plots from acceptance.json in --out")
     args = p.parse_args(argv)
+    if args.replot:
+        out = json.loads((args.out / "acceptance.json").read_text())
+        (args.out / "acceptance.md").write_text(report(out))
+        plots(out, args.out)
+        return 0
     cfg = load_config("acceptance", args.config, args.quick)
 
     import torch
@@ -177,6 +183,11 @@ def plots(out: dict, where: Path) -> None:
     cfg = out["config"]
     kinds, ratios, hs = cfg["prompts"], cfg["ratios"], cfg["horizons"]
     names = list(dict.fromkeys(r["compressor"] for r in out["grid"]))
+    from cycler import cycler
+
+    # 16 compressors: 20 colours and 4 markers, so no two lines look alike
+    style = cycler(color=plt.cm.tab20.colors[:16]) + cycler(marker=["o", "s", "^", "D"] * 4)
+    plt.rcParams["axes.prop_cycle"] = style
     for metric, label in (("mean_accepted_length", "mean accepted length"), ("acceptance_rate", "acceptance rate")):
         fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
         for ax, kind in zip(axes[0], kinds, strict=True):
@@ -185,7 +196,7 @@ def plots(out: dict, where: Path) -> None:
                 pts = [(x["horizon"], x[metric]) for x in out["grid"]
                        if x["prompt"] == kind and x["compressor"] == name and x["ratio"] == r]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+                    ax.plot(*zip(*pts, strict=True), label=name)
             ax.set_title(f"{kind}, ratio {min(ratios):g}")
             ax.set_xlabel("horizon x")
             ax.set_xscale("log", base=2)
@@ -201,7 +212,7 @@ def plots(out: dict, where: Path) -> None:
             pts = sorted((x["ratio"], x["mean_accepted_length"]) for x in out["grid"]
                          if x["prompt"] == kind and x["compressor"] == name and x["horizon"] == x_mid)
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+                ax.plot(*zip(*pts, strict=True), label=name)
         ax.set_title(f"{kind}, x={x_mid}")
         ax.set_xlabel("ratio (kept fraction of the full KV)")
         ax.set_xscale("log", base=2)
@@ -217,7 +228,9 @@ def plots(out: dict, where: Path) -> None:
             for v in curve:
                 acc += v
                 total.append(acc)
-            ax.plot(range(len(total)), total, label=spec.split(":")[0])
+            name = "+".join(part.split(":")[0] for part in spec.split("+"))
+            ax.plot(range(len(total)), total, label=name, markevery=8)
+        ax.set_yscale("symlog", linthresh=1.0)
         ax.set_xlabel("decoding step")
         ax.set_ylabel("sequence-level KL(full || lossy), nats")
         ax.set_title(f"lossy decoding drifts ({cfg['kl']['prompt']}, ratio {cfg['kl']['ratio']})")
