@@ -86,7 +86,7 @@ def test_cli_json_check():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--compressor", "h2oo"], "unknown compressor 'h2oo' in spec 'h2oo'; choices: kivi, snapkv, streamingllm"),
+    (["--compressor", "h2oo"], "unknown compressor 'h2oo' in spec 'h2oo'; choices: adakv, expected_attention, h2o,"),
     (["--horizon", "0"], "horizon must be >= 1"),
     (["--model", "/nonexistent/model"], "no such directory"),
 ])

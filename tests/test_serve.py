@@ -73,6 +73,8 @@ def test_stream_carries_the_same_verified_text(client, prompt, reference):
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == reference.text
+    streamed = [t for c in chunks[:-1] for t in c["choices"][0]["token_ids"]]
+    assert streamed == reference.tokens  # every streamed id verified, in order, none more
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == NEW
     assert len(chunks) > 2  # it streamed, not one block
 

@@ -104,6 +104,7 @@ class Job:
     on_commit: Callable[[list[int]], None] | None = None
     on_done: Callable[[GenerationResult], None] | None = None
     on_error: Callable[[BaseException], None] | None = None
+    compressed_bytes: int | None = None  # its compressed prompt's size, measured once
 
 
 class _Plain:
@@ -156,7 +157,6 @@ class BatchEngine:
         self.stats = BatchStats()
         self.results: dict[str, GenerationResult] = {}
         self._fetch_intervals: list[tuple[float, float]] = []
-        self._compressed_sizes: dict[int, int] = {}
         self._reload_reserve = 0
 
     def submit(self, pre: Prefill, request_id: str, gen: GenerationConfig | None = None,
@@ -177,10 +177,9 @@ class BatchEngine:
 
     def _compressed_reserve(self, job: Job) -> int:
         # the compressed prompt plus every committed token's exact K/V (what an online update appends)
-        key = (id(job.pre), job.compressor.spec)
-        if key not in self._compressed_sizes:
-            self._compressed_sizes[key] = job.compressor.compress(job.pre.kv, job.pre.obs).nbytes
-        return self._compressed_sizes[key] + job.gen.max_new_tokens * self.per_token
+        if job.compressed_bytes is None:
+            job.compressed_bytes = job.compressor.compress(job.pre.kv, job.pre.obs).nbytes
+        return job.compressed_bytes + job.gen.max_new_tokens * self.per_token
 
     def _device_need(self, job: Job) -> int:
         mode = self.batch.mode

@@ -83,6 +83,8 @@ class TextDeltas:
 
     def push(self, tokens: list[int]) -> str:
         self.tokens += tokens
+        if self.tokenizer is None:
+            return ""
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         safe = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")  # never half a character
         if not safe.startswith(self.sent) or len(safe) <= len(self.sent):
@@ -173,10 +175,10 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         """Chunks for a stream; ``make(text, finish_reason, extra)`` builds one."""
         deltas = TextDeltas(tokenizer, stop)
         for kind, value in handle.stream(STREAM_IDLE_S):
-            if kind == "tokens":
-                text = deltas.push(value)
-                if text:
-                    yield make(text, None, {})
+            if kind == "tokens":  # one chunk per verification: its verified token ids, and the text they add
+                chunk = make(deltas.push(value), None, {})
+                chunk["choices"][0]["token_ids"] = value
+                yield chunk
             elif kind == "done":
                 yield make(deltas.finish(value.text), value.finish_reason,
                            {"usage": usage(handle, value), "vericache": vericache_stats(handle, value)})
