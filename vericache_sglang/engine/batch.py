@@ -216,7 +216,10 @@ class BatchEngine:
                 continue
             running: dict = {}
             try:
-                self._run_vericache(running) if self.batch.mode == "vericache" else self._run_plain(running)
+                if self.batch.mode == "vericache":
+                    self._run_vericache(running)
+                else:
+                    self._run_plain(running)
             except Exception as e:  # the failure goes to every request it touched
                 for rid, (req, _) in list(running.items()):
                     running.pop(rid)
