@@ -206,21 +206,23 @@ def plots(out: dict, where: Path) -> None:
         fig.savefig(where / f"acceptance_{metric}_vs_horizon.png", dpi=110)
         plt.close(fig)
     x_mid = hs[min(1, len(hs) - 1)]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
-    for ax, kind in zip(axes[0], kinds, strict=True):
-        for name in names:
-            pts = sorted((x["ratio"], x["mean_accepted_length"]) for x in out["grid"]
-                         if x["prompt"] == kind and x["compressor"] == name and x["horizon"] == x_mid)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), label=name)
-        ax.set_title(f"{kind}, x={x_mid}")
-        ax.set_xlabel("ratio (kept fraction of the full KV)")
-        ax.set_xscale("log", base=2)
-        ax.set_ylabel("mean accepted length")
-    axes[0][-1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(where / "acceptance_vs_ratio.png", dpi=110)
-    plt.close(fig)
+    for metric, label, name in (("mean_accepted_length", "mean accepted length", "acceptance_vs_ratio.png"),
+                                ("acceptance_rate", "acceptance rate", "acceptance_rate_vs_ratio.png")):
+        fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
+        for ax, kind in zip(axes[0], kinds, strict=True):
+            for comp in names:
+                pts = sorted((x["ratio"], x[metric]) for x in out["grid"]
+                             if x["prompt"] == kind and x["compressor"] == comp and x["horizon"] == x_mid)
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), label=comp)
+            ax.set_title(f"{kind}, x={x_mid}")
+            ax.set_xlabel("ratio (kept fraction of the full KV)")
+            ax.set_xscale("log", base=2)
+            ax.set_ylabel(label)
+        axes[0][-1].legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(where / name, dpi=110)
+        plt.close(fig)
     if out["kl"]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for spec, curve in out["kl"].items():
