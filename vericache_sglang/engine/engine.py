@@ -24,7 +24,8 @@ from vericache_sglang.engine.model import DEFAULT_MODEL, load_model
 from vericache_sglang.engine.runner import ModelRunner
 
 METHODS = ("vericache", "full", "lossy")
-BATCH_INVARIANT_ROWS = 64  # a decode step and a verify pass of up to 64 rows run the same GEMM shapes
+# A decode step and a verify pass of up to 64 rows (horizon up to 63) run the same GEMM shapes.
+BATCH_INVARIANT_ROWS = 64
 
 
 class Engine:

@@ -152,7 +152,9 @@ class ModelRunner:
     verify pass over x+1 tokens must produce, row by row, the bits one-token decoding produces.
     ``row_bucket=B`` pads every forward to a multiple of B rows, so a decode step and a verify pass
     run the same GEMM shapes; ``row_attention`` runs each new token's attention as its own
-    one-query call, the call decoding makes."""
+    one-query call, the call decoding makes (for segments of at most ``row_bucket`` tokens: a
+    prefill chunk needs no invariance, its KV is shared by the reference and VeriCache). So a
+    verify pass is invariant while the forward holds at most ``row_bucket`` rows."""
 
     def __init__(self, loaded: LoadedModel, row_bucket: int = 0, row_attention: bool = False):
         model = loaded.model
@@ -187,7 +189,7 @@ class ModelRunner:
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """``q`` ``[q_heads, n, d]`` over ``keys``/``values`` ``[kv_heads, c + n, d]`` (the new last)."""
         n, total = q.shape[1], keys.shape[1]
-        if n > 1 and self.row_attention:
+        if n > 1 and self.row_attention and (not self.row_bucket or n <= self.row_bucket):
             past = total - n
             return torch.cat([self._attention(q[:, i : i + 1], keys[:, : past + i + 1], values[:, : past + i + 1])
                               for i in range(n)], dim=1)
