@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache_sglang.core.compress.base import Compressor, DroppedLayer, Observation, check_ratio
+from vericache_sglang.core.compress.base import DroppedLayer, KeepingDropper, Observation, check_ratio
 from vericache_sglang.core.compress.scoring import budget, top_per_head
 from vericache_sglang.core.compress.snapkv import obs_window, snapkv_scores
 
@@ -48,9 +48,8 @@ def allot(scores: torch.Tensor, per_head: int, alpha: float) -> tuple[torch.Tens
     return scores, torch.bincount(chosen, minlength=hk).tolist()
 
 
-class AdaKV(Compressor):
+class AdaKV(KeepingDropper):
     name = "adakv"
-    kind = "dropping"
     Params = AdaKVParams
     summary = "SnapKV scores, budget shared across a layer's heads by one top-k (padded to equal counts)"
     needs = frozenset({"window"})
@@ -80,8 +79,3 @@ class AdaKV(Compressor):
         scores, allotted = allot(scores, per_head, p.alpha)
         kept = DroppedLayer.gather(k, v, top_per_head(scores, max(allotted)))
         return AdaKVLayer(kept.keys, kept.values, kept.positions, allotted)
-
-    def update_layer(self, layer, k, v, positions, q) -> DroppedLayer:
-        assert isinstance(layer, DroppedLayer)
-        layer.append(k, v, positions)
-        return layer

@@ -224,6 +224,18 @@ class QuantizingCompressor(Compressor):
         column index (the same as positions when nothing was dropped)."""
 
 
+class KeepingDropper(Compressor):
+    """A token dropper that chooses once, at ``compress``: committed tokens are appended unscored."""
+
+    kind = "dropping"
+
+    def update_layer(self, layer: CompressedLayer, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     q: torch.Tensor | None) -> CompressedLayer:
+        assert isinstance(layer, DroppedLayer)
+        layer.append(k, v, positions)
+        return layer
+
+
 class DroppedLayer(CompressedLayer):
     """A token-dropping layer: the kept tokens' exact K/V and their positions, same count per head."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache_sglang.core.compress.base import Compressor, DroppedLayer, Observation, Rope, check_ratio
+from vericache_sglang.core.compress.base import DroppedLayer, KeepingDropper, Observation, Rope, check_ratio
 from vericache_sglang.core.compress.scoring import budget, per_kv_head, top_per_head
 
 
@@ -36,9 +36,8 @@ def averaged_rotation(rope: Rope, start: int, count: int, head_dim: int) -> torc
     return (cos.unsqueeze(-1) * torch.eye(head_dim) + sin.unsqueeze(-1) * p).mean(dim=0)
 
 
-class ExpectedAttention(Compressor):
+class ExpectedAttention(KeepingDropper):
     name = "expected_attention"
-    kind = "dropping"
     Params = ExpectedAttentionParams
     summary = "attention expected from future queries (prompt query statistics, averaged RoPE)"
     needs = frozenset({"prompt", "rope"})
@@ -75,8 +74,3 @@ class ExpectedAttention(Compressor):
             scores = (scores + p.epsilon) * torch.linalg.vector_norm(v[:, p.n_sink :].float(), dim=-1)
         sinks = torch.full((hk, p.n_sink), float("inf"), device=k.device)
         return DroppedLayer.gather(k, v, top_per_head(torch.cat([sinks, scores], dim=1), count))
-
-    def update_layer(self, layer, k, v, positions, q) -> DroppedLayer:
-        assert isinstance(layer, DroppedLayer)
-        layer.append(k, v, positions)
-        return layer

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache_sglang.core.compress.base import Compressor, DroppedLayer, Observation, check_ratio
+from vericache_sglang.core.compress.base import DroppedLayer, KeepingDropper, Observation, check_ratio
 from vericache_sglang.core.compress.scoring import budget, top_per_head
 
 
@@ -16,9 +16,8 @@ class KNormParams:
     ratio: float = 0.25
 
 
-class KNorm(Compressor):
+class KNorm(KeepingDropper):
     name = "knorm"
-    kind = "dropping"
     Params = KNormParams
     summary = "smallest key L2 norms per KV head (query-free)"
 
@@ -28,8 +27,3 @@ class KNorm(Compressor):
     def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> DroppedLayer:
         scores = -torch.linalg.vector_norm(k.float(), dim=-1)
         return DroppedLayer.gather(k, v, top_per_head(scores, budget(self.params.ratio, k.shape[1])))
-
-    def update_layer(self, layer, k, v, positions, q) -> DroppedLayer:
-        assert isinstance(layer, DroppedLayer)
-        layer.append(k, v, positions)
-        return layer

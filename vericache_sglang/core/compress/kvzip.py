@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache_sglang.core.compress.base import Compressor, DroppedLayer, Observation, check_ratio
+from vericache_sglang.core.compress.base import DroppedLayer, KeepingDropper, Observation, check_ratio
 from vericache_sglang.core.compress.scoring import attention_probs, top_per_head
 from vericache_sglang.core.kv import CompressedKV, FullKV
 
@@ -35,9 +35,8 @@ class KVzipParams:
     layerwise: bool = False
 
 
-class KVzip(Compressor):
+class KVzip(KeepingDropper):
     name = "kvzip"
-    kind = "dropping"
     mode = "offline"
     Params = KVzipParams
     summary = "context-reconstruction attention (query-agnostic); runs the model again over the prompt"
@@ -89,8 +88,3 @@ class KVzip(Compressor):
 
     def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> DroppedLayer:
         raise NotImplementedError("kvzip ranks all layers together: use compress()")
-
-    def update_layer(self, layer, k, v, positions, q) -> DroppedLayer:
-        assert isinstance(layer, DroppedLayer)
-        layer.append(k, v, positions)
-        return layer

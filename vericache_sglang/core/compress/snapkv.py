@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vericache_sglang.core.compress.base import Compressor, DroppedLayer, Observation, check_ratio
+from vericache_sglang.core.compress.base import DroppedLayer, KeepingDropper, Observation, check_ratio
 
 
 @dataclass
@@ -48,9 +48,8 @@ def snapkv_scores(q_obs: torch.Tensor, k: torch.Tensor, kernel: int, pool: str) 
                         count_include_pad=False).squeeze(1)
 
 
-class SnapKV(Compressor):
+class SnapKV(KeepingDropper):
     name = "snapkv"
-    kind = "dropping"
     Params = SnapKVParams
     summary = "observation-window attention scores, pooled, top tokens per KV head"
     needs = frozenset({"window"})
@@ -78,11 +77,6 @@ class SnapKV(Compressor):
         recent = torch.arange(n - window, n, device=k.device).expand(hk, -1)
         keep = torch.cat([top, recent], dim=1).sort(dim=1).values
         return DroppedLayer.gather(k, v, keep)
-
-    def update_layer(self, layer, k, v, positions, q) -> DroppedLayer:
-        assert isinstance(layer, DroppedLayer)
-        layer.append(k, v, positions)
-        return layer
 
 
 def obs_window(obs: Observation | None, layer_idx: int, window: int) -> torch.Tensor:
