@@ -12,6 +12,7 @@ Run: ``python benchmarks/acceptance.py [--quick]``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -188,48 +189,20 @@ def plots(out: dict, where: Path) -> None:
     # 16 compressors: 20 colours and 4 markers, so no two lines look alike
     style = cycler(color=plt.cm.tab20.colors[:16]) + cycler(marker=["o", "s", "^", "D"] * 4)
     plt.rcParams["axes.prop_cycle"] = style
-    for metric, label in (("mean_accepted_length", "mean accepted length"), ("acceptance_rate", "acceptance rate")):
-        fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
-        for ax, kind in zip(axes[0], kinds, strict=True):
-            for name in names:
-                r = min(ratios)
-                pts = [(x["horizon"], x[metric]) for x in out["grid"]
-                       if x["prompt"] == kind and x["compressor"] == name and x["ratio"] == r]
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), label=name)
-            ax.set_title(f"{kind}, ratio {min(ratios):g}")
-            ax.set_xlabel("horizon x")
-            ax.set_xscale("log", base=2)
-            ax.set_ylabel(label)
-        axes[0][-1].legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(where / f"acceptance_{metric}_vs_horizon.png", dpi=110)
-        plt.close(fig)
+    metrics = (("mean_accepted_length", "mean accepted length"), ("acceptance_rate", "acceptance rate"))
     x_mid = hs[min(1, len(hs) - 1)]
-    for metric, label, name in (("mean_accepted_length", "mean accepted length", "acceptance_vs_ratio.png"),
-                                ("acceptance_rate", "acceptance rate", "acceptance_rate_vs_ratio.png")):
-        fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
-        for ax, kind in zip(axes[0], kinds, strict=True):
-            for comp in names:
-                pts = sorted((x["ratio"], x[metric]) for x in out["grid"]
-                             if x["prompt"] == kind and x["compressor"] == comp and x["horizon"] == x_mid)
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), label=comp)
-            ax.set_title(f"{kind}, x={x_mid}")
-            ax.set_xlabel("ratio (kept fraction of the full KV)")
-            ax.set_xscale("log", base=2)
-            ax.set_ylabel(label)
-        axes[0][-1].legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(where / name, dpi=110)
-        plt.close(fig)
+    for metric, label in metrics:
+        # against the horizon at the smallest ratio, and against the ratio at the second horizon
+        _grid_figure(plt, out["grid"], kinds, names, metric, label, "horizon", "ratio", min(ratios),
+                     "horizon x", where / f"acceptance_{metric}_vs_horizon.png")
+        _grid_figure(plt, out["grid"], kinds, names, metric, label, "ratio", "horizon", x_mid,
+                     "ratio (kept fraction of the full KV)",
+                     where / ("acceptance_vs_ratio.png" if metric == "mean_accepted_length"
+                              else "acceptance_rate_vs_ratio.png"))
     if out["kl"]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for spec, curve in out["kl"].items():
-            total, acc = [], 0.0
-            for v in curve:
-                acc += v
-                total.append(acc)
+            total = list(itertools.accumulate(curve))
             name = "+".join(part.split(":")[0] for part in spec.split("+"))
             ax.plot(range(len(total)), total, label=name, markevery=8)
         ax.set_yscale("symlog", linthresh=1.0)
@@ -240,6 +213,26 @@ def plots(out: dict, where: Path) -> None:
         fig.tight_layout()
         fig.savefig(where / "acceptance_kl_vs_step.png", dpi=110)
         plt.close(fig)
+
+
+def _grid_figure(plt, grid: list[dict], kinds: list[str], names: list[str], metric: str, label: str, axis: str,
+                 fixed_key: str, fixed: float, xlabel: str, path: Path) -> None:
+    """One panel per prompt kind: ``metric`` of every compressor against ``axis``, ``fixed_key`` held."""
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        for name in names:
+            pts = sorted((r[axis], r[metric]) for r in grid
+                         if r["prompt"] == kind and r["compressor"] == name and r[fixed_key] == fixed)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), label=name)
+        ax.set_title(f"{kind}, {'x=' if fixed_key == 'horizon' else 'ratio '}{fixed:g}")
+        ax.set_xlabel(xlabel)
+        ax.set_xscale("log", base=2)
+        ax.set_ylabel(label)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
