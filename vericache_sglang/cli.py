@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -175,9 +176,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=2048, help="the most a request may ask for")
     p.add_argument("--max-concurrency", type=int, default=16, help="requests in flight; more get HTTP 429")
     p.add_argument("--api-key-file", type=Path, help="require 'Authorization: Bearer <key>' (key read from file)")
+    p.add_argument("--prefix-compressor", default="kvzip:ratio=0.25",
+                   help="compressor of shared documents' copies ('none': no shared documents); it never sees "
+                        "the question, so query-agnostic ones suit it (kvzip, knorm, streamingllm, quantizers)")
+    p.add_argument("--prefix-refresh-s", type=float, default=2.0, help="how often to read the store's catalog")
+    p.add_argument("--max-prefix-bytes", type=int, default=1 << 30, help="compressed document copies held")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=cmd_serve)
 
 
@@ -187,10 +194,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from vericache_sglang.core.compress import parse_spec
     from vericache_sglang.engine.engine import Engine
+    from vericache_sglang.engine.prefix import PrefixRegistry
     from vericache_sglang.serve.openai_api import create_app
     from vericache_sglang.serve.service import EngineService, Limits
 
-    parse_spec(args.compressor)  # a bad spec fails before the model loads
+    parse_spec(args.compressor)  # bad specs fail before the model loads
+    prefix_compressor = None if args.prefix_compressor == "none" else parse_spec(args.prefix_compressor)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
     if args.api_key_file and not api_key:
         raise ValueError(f"{args.api_key_file} is empty")
@@ -200,13 +210,88 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     namespace=args.store_namespace)
     limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
                     max_concurrency=args.max_concurrency)
-    service = EngineService(engine, args.compressor, args.horizon, args.kv_budget_bytes, limits)
+    prefixes = None if prefix_compressor is None else PrefixRegistry(engine.runner, engine.store, prefix_compressor,
+                                                                     args.max_prefix_bytes)
+    service = EngineService(engine, args.compressor, args.horizon, args.kv_budget_bytes, limits,
+                            prefixes=prefixes, prefix_refresh_s=args.prefix_refresh_s)
     service.start()
     name = args.served_model_name or engine.loaded.name
     try:
-        uvicorn.run(create_app(service, name, api_key), host=args.host, port=args.port, log_level="info")
+        uvicorn.run(create_app(service, name, api_key), host=args.host, port=args.port, log_level=args.log_level)
     finally:
         service.stop()
+    return 0
+
+
+def _add_prefix(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prefix", help="shared documents (RAG): register once, every server sharing the store "
+                                      "drafts over them at once")
+    psub = p.add_subparsers(dest="action", required=True)
+    add = psub.add_parser("add", help="register a document: its full KV into the store, listed in its catalog")
+    add.add_argument("file", type=Path, help="the document's text ('-': standard input)")
+    add.add_argument("--name", help="a name to list it under (default: from its digest)")
+    add.add_argument("--role", default="system", choices=("system", "user", "raw"),
+                     help="the chat-template segment it is rendered as (requests must send it the same way)")
+    lst = psub.add_parser("list", help="the documents in the store's catalog, or a server's copies")
+    for q in (add, lst):
+        where = q.add_mutually_exclusive_group(required=True)
+        where.add_argument("--server", help="a running 'vericache serve' (http://HOST:PORT): it does the work")
+        where.add_argument("--store", help="the full-KV store URL: this process loads the model and writes it")
+        q.add_argument("--model", default="smollm2", help="with --store: the model (its layout names the keys)")
+        q.add_argument("--store-namespace", default="default")
+        q.add_argument("--api-key-file", type=Path, help="with --server: its API key")
+        q.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_prefix)
+
+
+def cmd_prefix(args: argparse.Namespace) -> int:
+    if args.server:
+        return _prefix_via_server(args)
+    from remote_store.documents import DocumentCatalog
+    from vericache_sglang.engine.engine import Engine
+    from vericache_sglang.engine.prefix import document_tokens, store_document
+
+    engine = Engine(args.model, store=args.store, namespace=args.store_namespace)
+    if args.action == "list":
+        docs = [d.to_json() for d in DocumentCatalog(engine.store).documents()]
+        print(json.dumps(docs) if args.json else "\n".join(f"{d['digest']}  {d['tokens']:>7}  {d['name']}"
+                                                           for d in docs))
+        return 0
+    text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text()
+    tokens = document_tokens(engine.tokenizer, text, args.role)
+    t = time.monotonic()
+    pre, digest, name = store_document(engine.runner, engine.store, tokens, args.name)
+    report = {"digest": digest, "name": name, "tokens": len(pre.tokens), "submitted_tokens": len(tokens),
+              "full_kv_bytes": pre.kv.nbytes, "seconds": round(time.monotonic() - t, 3)}
+    print(json.dumps(report) if args.json else f"registered {name} ({digest}): {len(pre.tokens)} of "
+          f"{len(tokens)} tokens (whole store chunks), full KV {pre.kv.nbytes / 2**20:.1f} MiB")
+    return 0
+
+
+def _prefix_via_server(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {}
+    if args.api_key_file:
+        headers["Authorization"] = f"Bearer {args.api_key_file.read_text().strip()}"
+    url = args.server.rstrip("/") + "/v1/prefixes"
+    if args.action == "list":
+        r = httpx.get(url, headers=headers, timeout=30)
+    else:
+        text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text()
+        r = httpx.post(url, json={"text": text, "role": args.role, "name": args.name}, headers=headers, timeout=600)
+    if r.status_code != 200:
+        print(f"vericache: error: {args.server} answered {r.status_code}: {r.text}", file=sys.stderr)
+        return 2
+    body = r.json()
+    if args.json:
+        print(json.dumps(body))
+    elif args.action == "list":
+        for d in body["data"]:
+            print(f"{d['digest']}  {d['tokens']:>7}  {d['name']}  ({d['compressor']}, {d['hits']} hits)")
+    else:
+        print(f"registered {body['name']} ({body['digest']}): {body['tokens']} of {body['submitted_tokens']} tokens, "
+              f"compressed copy {body['compressed_kv_bytes'] / 2**20:.2f} MiB ({body['compressor']})")
     return 0
 
 
@@ -215,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_prefix(sub)
     p = sub.add_parser("compressors", help="list the compressors, their parameters and defaults")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compressors)

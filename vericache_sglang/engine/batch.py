@@ -34,6 +34,7 @@ from vericache_sglang.core.schedule import StaggeredScheduler
 from vericache_sglang.engine.decode import recompute_full_kv
 from vericache_sglang.engine.fetch import FullKVFetch
 from vericache_sglang.engine.generation import GenerationConfig, GenerationResult, Output, Prefill
+from vericache_sglang.engine.prefix import RegisteredPrefix
 from vericache_sglang.engine.request import VeriCacheRequest
 from vericache_sglang.engine.runner import DraftKV, ModelRunner, ResidentKV, Segment, SegmentOutput, StreamedKV
 
@@ -94,17 +95,26 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 
 @dataclass
 class Job:
-    """A submitted request: its prefill, its own generation settings and compressor, and where its
+    """A submitted request: its prefill (or, for a prompt that starts with a registered document, the
+    document's prefix and no prefill), its own generation settings and compressor, and where its
     committed tokens, result or failure go (a server streams them; benchmarks read ``results``)."""
 
     rid: str
-    pre: Prefill
+    pre: Prefill | None
     gen: GenerationConfig
     compressor: Compressor
     on_commit: Callable[[list[int]], None] | None = None
     on_done: Callable[[GenerationResult], None] | None = None
     on_error: Callable[[BaseException], None] | None = None
     compressed_bytes: int | None = None  # its compressed prompt's size, measured once
+    prefix: RegisteredPrefix | None = None
+    prompt: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.pre is not None:
+            self.prompt = self.pre.tokens
+        elif self.prefix is None:
+            raise ValueError(f"request {self.rid}: a job needs a prefill or a registered prefix")
 
 
 class _Plain:
@@ -164,7 +174,24 @@ class BatchEngine:
                on_done: Callable[[GenerationResult], None] | None = None,
                on_error: Callable[[BaseException], None] | None = None) -> None:
         """Queue a prefilled request; ``gen`` and ``compressor`` default to the engine's."""
-        job = Job(request_id, pre, gen or self.gen, compressor or self.compressor, on_commit, on_done, on_error)
+        self._queue(Job(request_id, pre, gen or self.gen, compressor or self.compressor, on_commit, on_done,
+                        on_error))
+
+    def submit_prefixed(self, prompt: list[int], prefix: RegisteredPrefix, request_id: str,
+                        gen: GenerationConfig | None = None, on_commit: Callable[[list[int]], None] | None = None,
+                        on_done: Callable[[GenerationResult], None] | None = None,
+                        on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Queue a request whose prompt starts with ``prefix``: no prefill, it drafts at once over a
+        copy of the prefix's compressed KV (so it uses the prefix's compressor)."""
+        if self.batch.mode != "vericache":
+            raise ValueError(f"a request without a prefill needs mode 'vericache', not {self.batch.mode!r}")
+        if not (len(prefix.tokens) < len(prompt) and prompt[:len(prefix.tokens)] == prefix.tokens):
+            raise ValueError(f"request {request_id}: the prompt does not start with prefix {prefix.name!r}")
+        self._queue(Job(request_id, None, gen or self.gen, prefix.compressor, on_commit, on_done, on_error,
+                        prefix=prefix, prompt=list(prompt)))
+
+    def _queue(self, job: Job) -> None:
+        request_id = job.rid
         with self._lock:
             if request_id in self.jobs:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -173,11 +200,14 @@ class BatchEngine:
 
     # device-byte accounting
     def _full_reserve(self, job: Job) -> int:
-        return (len(job.pre.tokens) + job.gen.max_new_tokens) * self.per_token
+        return (len(job.prompt) + job.gen.max_new_tokens) * self.per_token
 
     def _compressed_reserve(self, job: Job) -> int:
         # the compressed prompt plus every committed token's exact K/V (what an online update appends)
-        if job.compressed_bytes is None:
+        if job.compressed_bytes is None and job.prefix is not None:  # its own tokens, exact, until verified
+            job.compressed_bytes = job.prefix.compressed_kv_bytes + (len(job.prompt) - len(job.prefix.tokens)) * \
+                self.per_token
+        elif job.compressed_bytes is None:
             job.compressed_bytes = job.compressor.compress(job.pre.kv, job.pre.obs).nbytes
         return job.compressed_bytes + job.gen.max_new_tokens * self.per_token
 
@@ -277,6 +307,11 @@ class BatchEngine:
 
     def _start(self, job: Job):
         mode, rid, pre = self.batch.mode, job.rid, job.pre
+        if mode == "vericache" and job.prefix is not None:
+            return VeriCacheRequest(self.runner, None, job.compressor, self.store, job.gen, self.tokenizer,
+                                    job.on_commit, request_id=rid,
+                                    recompute=lambda t: recompute_full_kv(self.runner, t), prompt=job.prompt,
+                                    prefix_ckv=job.prefix.ckv.clone(), prefix_len=len(job.prefix.tokens))
         if mode == "vericache":
             return VeriCacheRequest(self.runner, pre, job.compressor, self.store, job.gen, self.tokenizer,
                                     job.on_commit, request_id=rid,

@@ -25,6 +25,11 @@ class Metrics:
                                     registry=r)
         self.decode_rate = Gauge("vericache_decode_tokens_per_second", "Decode rate of the last finished request",
                                  registry=r)
+        self.prefix_hits = Counter("vericache_prefix_hits", "Requests started over a shared document's "
+                                   "compressed copy (no prefill)", registry=r)
+        self.prefix_tokens = Counter("vericache_prefix_tokens", "Prompt tokens served from shared documents",
+                                     registry=r)
+        self.documents = Gauge("vericache_documents", "Shared documents with a compressed copy here", registry=r)
         self.running = Gauge("vericache_requests_in_flight", "Requests admitted and not finished", registry=r)
 
     def finished(self, result: GenerationResult, prompt_tokens: int) -> None:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (both streaming),
-``/v1/models``, ``/health`` and Prometheus ``/metrics``. Field names follow OpenAI and, where it
+``/v1/models``, ``/health``, Prometheus ``/metrics``, and ``/v1/prefixes`` (shared documents:
+register, list). Field names follow OpenAI and, where it
 adds some (``top_k``), SGLang; per-request VeriCache options go in a ``vericache`` object
 (``compressor``, ``horizon``, ``adaptive_horizon``) and every response carries the request's
 verification statistics under ``vericache``. Streamed text only ever holds verified tokens, and
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vericache_sglang.core.sampling import SamplingParams
 from vericache_sglang.engine.generation import GenerationResult
+from vericache_sglang.engine.prefix import document_tokens
 from vericache_sglang.serve.service import EngineService, Handle, ServeError
 
 STREAM_IDLE_S = 600.0  # a stream with no event for this long ends with an error
@@ -51,6 +53,14 @@ class CompletionRequest(_Common):
     prompt: str | list[int]
 
 
+class DocumentRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    text: str | None = None
+    role: str = "system"  # the chat-template segment it is rendered as; "raw": plain text tokens
+    token_ids: list[int] | None = None
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str
@@ -68,7 +78,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 
 def vericache_stats(handle: Handle, result: GenerationResult) -> dict[str, Any]:
     s = result.stats
-    return {"compressor": handle.compressor, "horizon": handle.horizon, "verify_passes": s.verify_passes,
+    return {"compressor": handle.compressor, "horizon": handle.horizon, "prefix_tokens": handle.prefix_tokens,
+            "document": handle.prefix_name, "verify_passes": s.verify_passes,
             "mean_accepted_length": s.mean_accepted_length, "acceptance_rate": s.acceptance_rate,
             "full_kv_bytes_fetched": sum(s.fetch_bytes), "link_wait_s": s.fetch_wait_s,
             "store_fallbacks": s.store_fallbacks, "decode_tokens_per_second": result.tokens_per_second}
@@ -186,6 +197,31 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
                 yield {"error": {"message": f"request failed; no unverified token was returned: {value}",
                                  "type": "server_error", "code": 500}}
 
+    @app.get("/v1/prefixes")
+    def documents() -> dict:
+        return {"object": "list", "data": service.documents()}
+
+    @app.post("/v1/prefixes")
+    def add_document(req: DocumentRequest) -> dict:
+        """Register a shared document (RAG): its full KV goes to the store, listed for every server."""
+        if (req.text is None) == (req.token_ids is None):
+            raise ServeError(400, "give the document as text or as token_ids (one of them)", param="text")
+        if req.token_ids is not None:
+            tokens = req.token_ids
+            vocab = service.engine.runner.vocab_size
+            if any(not 0 <= t < vocab for t in tokens):
+                raise ServeError(400, f"token ids must be in [0, {vocab})", param="token_ids")
+        else:
+            try:
+                tokens = document_tokens(tokenizer, req.text, req.role)
+            except ValueError as e:
+                raise ServeError(400, str(e), param="role") from None
+        prefix = service.register_document(tokens, req.name)
+        return {"object": "document", "digest": prefix.digest, "name": prefix.name, "tokens": len(prefix.tokens),
+                "submitted_tokens": len(tokens), "compressor": prefix.compressor.spec,
+                "compressed_kv_bytes": prefix.compressed_kv_bytes, "full_kv_bytes": prefix.full_kv_bytes,
+                "seconds": prefix.seconds}
+
     @app.post("/v1/completions")
     def completions(req: CompletionRequest) -> Any:
         if isinstance(req.prompt, str):
@@ -233,10 +269,14 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         if req.stream:
             return sse(events(handle, stop, chunk))
         result = wait(handle)
+        logprobs = None
+        if result.logprobs is not None:  # the verifier's log-probabilities (OpenAI's chat shape)
+            logprobs = {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "token_id": t}
+                                    for t, lp in zip(result.tokens, result.logprobs, strict=True)]}
         return {"id": handle.id.replace("cmpl", "chatcmpl"), "object": "chat.completion", "created": created,
                 "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                             "finish_reason": result.finish_reason}],
+                             "finish_reason": result.finish_reason, "logprobs": logprobs}],
                 "usage": usage(handle, result), "vericache": vericache_stats(handle, result)}
 
     return app

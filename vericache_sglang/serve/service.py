@@ -1,22 +1,35 @@
 """The engine behind a server: one thread runs the batch engine's serve loop (prefill, staggered
 drafting and verification of every admitted request); HTTP handlers submit requests and read
 their events. Only verified tokens are ever put on a request's event queue: they come from the
-engine's commit callback, which only a verification's verdict reaches."""
+engine's commit callback, which only a verification's verdict reaches.
+
+With a prefix registry, a prompt that starts with a registered document skips its prefill: it
+drafts at once over the document's compressed copy. The registry follows the store's document
+catalog (documents registered by any server or by ``vericache prefix add``), every few seconds,
+on the engine thread, which is the only thread that runs the model.
+"""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from remote_store.backends.base import StoreError
 from vericache_sglang.core.compress import Compressor, SpecError, parse_spec
 from vericache_sglang.core.sampling import SamplingParams
 from vericache_sglang.engine.batch import BatchConfig, BatchEngine
 from vericache_sglang.engine.engine import Engine
 from vericache_sglang.engine.generation import GenerationConfig, GenerationResult
+from vericache_sglang.engine.prefix import PrefixRegistry, RegisteredPrefix
 from vericache_sglang.serve.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 
 class ServeError(Exception):
@@ -44,6 +57,8 @@ class Handle:
     compressor: str
     horizon: int
     events: queue.Queue = field(default_factory=queue.Queue)
+    prefix_tokens: int = 0  # the registered document it started with (no prefill for those)
+    prefix_name: str | None = None
 
     def stream(self, timeout_s: float | None = None) -> Iterator[tuple[str, object]]:
         while True:
@@ -62,12 +77,18 @@ class _Pending:
     tokens: list[int]
     gen: GenerationConfig
     compressor: Compressor
+    chosen: bool  # the request named its compressor (a document's copy is then not used)
 
 
 class EngineService:
     def __init__(self, engine: Engine, compressor: str = "snapkv:ratio=0.25", horizon: int = 16,
-                 kv_budget_bytes: int = 4 << 30, limits: Limits | None = None, metrics: Metrics | None = None):
+                 kv_budget_bytes: int = 4 << 30, limits: Limits | None = None, metrics: Metrics | None = None,
+                 prefixes: PrefixRegistry | None = None, prefix_refresh_s: float = 2.0):
         self.engine = engine
+        self.prefixes = prefixes
+        self.prefix_refresh_s = prefix_refresh_s
+        self._synced_at = float("-inf")
+        self._ops: list[tuple[Callable[[], object], Future]] = []  # model work for the engine thread
         self.limits = limits or Limits()
         self.metrics = metrics or Metrics()
         self.default_compressor = parse_spec(compressor)
@@ -137,25 +158,105 @@ class EngineService:
                                  "rate_limit_exceeded")
             self._in_flight += 1
             handle = Handle(f"cmpl-{next(self._ids)}", len(tokens), comp.spec, x)
-            self._pending.append(_Pending(handle, list(tokens), gen, comp))
+            self._pending.append(_Pending(handle, list(tokens), gen, comp, compressor is not None))
         self.metrics.running.set(self._in_flight)
         return handle
 
+    # shared documents
+    def register_document(self, tokens: list[int], name: str | None = None, timeout_s: float = 600.0
+                          ) -> RegisteredPrefix:
+        """Prefill a document on the engine thread, store its full KV, list it in the store's catalog."""
+        if self.prefixes is None:
+            raise ServeError(400, "this server has no prefix registry (start it with --prefix-compressor)")
+        if not tokens:
+            raise ServeError(400, "the document is empty", param="text")
+        chunk = self.engine.store.chunk_tokens
+        if len(tokens) < chunk:
+            raise ServeError(400, f"a document needs at least one store chunk of {chunk} tokens; it has "
+                                  f"{len(tokens)}", param="text")
+        if len(tokens) > self.limits.max_prompt_tokens:
+            raise ServeError(400, f"the document has {len(tokens)} tokens; this server takes at most "
+                                  f"{self.limits.max_prompt_tokens}", param="text")
+        try:
+            return self._on_engine_thread(lambda: self.prefixes.register(tokens, name, publish=True), timeout_s)
+        except StoreError as e:
+            self.metrics.store_errors.inc()
+            raise ServeError(502, f"the store failed while registering the document: {e}", "server_error") from None
+        except ValueError as e:
+            raise ServeError(400, str(e)) from None
+
+    def documents(self) -> list[dict[str, object]]:
+        """The documents this server holds a compressed copy of."""
+        if self.prefixes is None:
+            return []
+        return [{"digest": p.digest, "name": p.name, "tokens": len(p.tokens), "compressor": p.compressor.spec,
+                 "compressed_kv_bytes": p.compressed_kv_bytes, "full_kv_bytes": p.full_kv_bytes, "hits": p.hits}
+                for p in self.prefixes.prefixes]
+
+    def _on_engine_thread(self, work: Callable[[], object], timeout_s: float) -> object:
+        if not self.alive:
+            raise ServeError(503, "the engine is not running", "server_error")
+        done: Future = Future()
+        with self._lock:
+            self._ops.append((work, done))
+        return done.result(timeout_s)
+
+    def _sync_prefixes(self) -> None:
+        if self.prefixes is None or time.monotonic() - self._synced_at < self.prefix_refresh_s:
+            return
+        self._synced_at = time.monotonic()
+        try:
+            adopted, dropped = self.prefixes.sync()
+        except Exception as e:  # the store is down: keep the copies we have, try again later
+            self.metrics.store_errors.inc()
+            log.warning("document catalog sync failed: %s", e)
+            return
+        for p in adopted:
+            log.info("document %s (%d tokens) adopted in %.2f s", p.name, len(p.tokens), p.seconds)
+        for digest in dropped:
+            log.info("document %s unlisted: its compressed copy is dropped", digest)
+        self.metrics.documents.set(len(self.prefixes.by_digest))
+
     def _intake(self) -> None:
-        """Engine thread: prefill what arrived and hand it to the batch engine."""
+        """Engine thread: run queued model work, follow the document catalog, prefill what arrived
+        (or start it over a document's compressed copy) and hand it to the batch engine."""
+        with self._lock:
+            ops, self._ops = self._ops, []
+        for work, done in ops:
+            try:
+                done.set_result(work())
+            except Exception as e:
+                done.set_exception(e)
+        if ops and self.prefixes is not None:
+            self.metrics.documents.set(len(self.prefixes.by_digest))
+        self._sync_prefixes()
         with self._lock:
             arrived, self._pending = self._pending, []
         for p in arrived:
             handle = p.handle
+            prefix = None if self.prefixes is None or p.chosen else self.prefixes.match(p.tokens)
+            if prefix is not None:
+                handle.prefix_tokens, handle.prefix_name = len(prefix.tokens), prefix.name
+                handle.compressor = prefix.compressor.spec
+                prefix.hits += 1
+                self.metrics.prefix_hits.inc()
+                self.metrics.prefix_tokens.inc(len(prefix.tokens))
+                try:
+                    self.batch.submit_prefixed(p.tokens, prefix, handle.id, p.gen, **self._callbacks(handle))
+                except Exception as e:
+                    self._failed(handle, e)
+                continue
             try:
                 pre = self.engine.prefill(p.tokens)
             except Exception as e:  # a prefill that fails fails its request only
                 self._failed(handle, e)
                 continue
-            self.batch.submit(pre, handle.id, p.gen, p.compressor,
-                              on_commit=lambda tokens, h=handle: h.events.put(("tokens", tokens)),
-                              on_done=lambda result, h=handle: self._done(h, result),
-                              on_error=lambda error, h=handle: self._failed(h, error))
+            self.batch.submit(pre, handle.id, p.gen, p.compressor, **self._callbacks(handle))
+
+    def _callbacks(self, handle: Handle) -> dict[str, Callable]:
+        return {"on_commit": lambda tokens: handle.events.put(("tokens", tokens)),
+                "on_done": lambda result: self._done(handle, result),
+                "on_error": lambda error: self._failed(handle, error)}
 
     def _done(self, handle: Handle, result: GenerationResult) -> None:
         self.metrics.finished(result, handle.prompt_tokens)

@@ -119,6 +119,7 @@ def describe_compressors() -> list[dict[str, object]]:
             "mode": cls.mode,
             "summary": cls.summary,
             "needs": sorted(cls.needs),
+            "document_scoring": cls.document_scoring,
             "uniform_layers": cls.uniform_layers,
             "evicts_while_decoding": cls.evicts,
             "parameters": {

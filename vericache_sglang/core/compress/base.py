@@ -130,6 +130,8 @@ class Compressor(ABC):
     mode: ClassVar[Literal["online", "offline"]] = "online"
     Params: ClassVar[type]
     summary: ClassVar[str] = ""
+    # What a shared document (compressed before any question, remote prefix caching) is scored by.
+    document_scoring: ClassVar[str] = "the document's own queries (no question yet: KVzip's query-agnostic setting)"
     # What the compressor reads besides the KV: "window" (the prefill's last queries), "prompt"
     # (every prompt query), "rope", "probe" (extra forwards), "update_queries" (committed tokens'
     # queries in ``update``). The SGLang path provides "window" only.
@@ -212,6 +214,7 @@ class QuantizingCompressor(Compressor):
     """A quantizer; ``quantize_layer`` takes the tokens' positions so it can follow a dropper."""
 
     kind = "quantization"
+    document_scoring = "none needed (every token kept, quantized)"
 
     def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> CompressedLayer:
         positions = torch.arange(k.shape[1], dtype=torch.int32, device=k.device).expand(k.shape[0], -1)

@@ -58,6 +58,7 @@ class Composed(Compressor):
         self.dropper, self.quantizer = dropper, quantizer
         self.name = f"{dropper.name}+{quantizer.name}"
         self.needs = dropper.needs | quantizer.needs
+        self.document_scoring = dropper.document_scoring
         self.uniform_layers = dropper.uniform_layers
         self.mode = "offline" if "offline" in (dropper.mode, quantizer.mode) else "online"
 

@@ -20,6 +20,7 @@ class KNorm(KeepingDropper):
     name = "knorm"
     Params = KNormParams
     summary = "smallest key L2 norms per KV head (query-free)"
+    document_scoring = "query-agnostic: key norms"
 
     def validate(self) -> None:
         check_ratio("knorm", self.params.ratio)

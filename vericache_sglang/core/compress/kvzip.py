@@ -40,6 +40,7 @@ class KVzip(KeepingDropper):
     mode = "offline"
     Params = KVzipParams
     summary = "context-reconstruction attention (query-agnostic); runs the model again over the prompt"
+    document_scoring = "query-agnostic: attention while the model reconstructs the document"
     needs = frozenset({"probe"})
     uniform_layers = False
 

@@ -90,6 +90,7 @@ class Quest(Compressor):
     kind = "sparse"
     Params = QuestParams
     summary = "keeps every token; each draft step reads the pages with the highest q·k bound"
+    document_scoring = "query-agnostic at compression (keeps every token); each draft step's own query chooses pages"
 
     def validate(self) -> None:
         check_ratio("quest", self.params.ratio)

@@ -24,6 +24,7 @@ class StreamingLLM(Compressor):
     kind = "dropping"
     Params = StreamingLLMParams
     summary = "attention sinks plus a recent window (positional, the same tokens for every head)"
+    document_scoring = "query-agnostic: positions (sinks and the recent window)"
     evicts = True
 
     def validate(self) -> None:
