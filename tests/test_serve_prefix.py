@@ -53,7 +53,7 @@ def test_chat_over_a_registered_document_is_identical_to_full_kv(client, real_en
     for q in QUESTIONS:
         messages = [{"role": "system", "content": document}, {"role": "user", "content": q}]
         r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": NEW, "temperature": 0,
-                                                       "logprobs": True})
+                                                       "logprobs": True, "vericache": {"check": True}})
         assert r.status_code == 200, r.text
         body = r.json()
         v = body["vericache"]
@@ -72,10 +72,13 @@ def test_chat_over_a_registered_document_is_identical_to_full_kv(client, real_en
                    "max_logit_abs_diff": None}, max_logprob_abs_diff=diff,
                   mean_accepted_length=v["mean_accepted_length"])
         assert identical, (body["choices"][0]["message"]["content"], ref.text)
+        check = v["check"]  # the server's own comparison agrees
+        assert check["identical"] and check["compared_tokens"] == NEW and check["max_logit_abs_diff"] < 1e-3
     listed = client.get("/v1/prefixes").json()["data"]
     assert [(d["name"], d["hits"]) for d in listed] == [("prose", 2)]
     metrics = client.get("/metrics").text
     assert "vericache_prefix_hits_total 2.0" in metrics and "vericache_documents 1.0" in metrics
+    assert 'vericache_checks_total{result="identical"} 2.0' in metrics
     # a request that names its own compressor is prefilled as usual
     messages = [{"role": "system", "content": document}, {"role": "user", "content": QUESTIONS[0]}]
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0,

@@ -30,6 +30,8 @@ class Metrics:
         self.prefix_tokens = Counter("vericache_prefix_tokens", "Prompt tokens served from shared documents",
                                      registry=r)
         self.documents = Gauge("vericache_documents", "Shared documents with a compressed copy here", registry=r)
+        self.checks = Counter("vericache_checks", "Requests also decoded with the full KV and compared, by result",
+                              ["result"], registry=r)
         self.running = Gauge("vericache_requests_in_flight", "Requests admitted and not finished", registry=r)
 
     def finished(self, result: GenerationResult, prompt_tokens: int) -> None:

@@ -32,6 +32,7 @@ class VeriCacheOptions(BaseModel):
     compressor: str | None = None
     horizon: int | None = None
     adaptive_horizon: bool = False
+    check: bool = False  # also decode with the full KV and report the comparison (slow: a full decode)
 
 
 class _Common(BaseModel):
@@ -82,7 +83,8 @@ def vericache_stats(handle: Handle, result: GenerationResult) -> dict[str, Any]:
             "document": handle.prefix_name, "verify_passes": s.verify_passes,
             "mean_accepted_length": s.mean_accepted_length, "acceptance_rate": s.acceptance_rate,
             "full_kv_bytes_fetched": sum(s.fetch_bytes), "link_wait_s": s.fetch_wait_s,
-            "store_fallbacks": s.store_fallbacks, "decode_tokens_per_second": result.tokens_per_second}
+            "store_fallbacks": s.store_fallbacks, "decode_tokens_per_second": result.tokens_per_second,
+            "check": handle.check}
 
 
 class TextDeltas:
@@ -159,7 +161,7 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         v = req.vericache
         handle = service.submit(tokens, max_new_tokens=16 if max_tokens is None else max_tokens, sampling=sampling,
                                 stop=stop, compressor=v.compressor, horizon=v.horizon,
-                                adaptive_horizon=v.adaptive_horizon, logprobs=bool(req.logprobs))
+                                adaptive_horizon=v.adaptive_horizon, logprobs=bool(req.logprobs), check=v.check)
         return handle, stop
 
     def wait(handle: Handle) -> GenerationResult:

@@ -24,7 +24,8 @@ from remote_store.backends.base import StoreError
 from vericache_sglang.core.compress import Compressor, SpecError, parse_spec
 from vericache_sglang.core.sampling import SamplingParams
 from vericache_sglang.engine.batch import BatchConfig, BatchEngine
-from vericache_sglang.engine.engine import Engine
+from vericache_sglang.engine.decode import generate_full
+from vericache_sglang.engine.engine import Engine, compare
 from vericache_sglang.engine.generation import GenerationConfig, GenerationResult
 from vericache_sglang.engine.prefix import PrefixRegistry, RegisteredPrefix
 from vericache_sglang.serve.metrics import Metrics
@@ -59,6 +60,7 @@ class Handle:
     events: queue.Queue = field(default_factory=queue.Queue)
     prefix_tokens: int = 0  # the registered document it started with (no prefill for those)
     prefix_name: str | None = None
+    check: dict[str, object] | None = None  # with ``check``: the comparison with full-KV decoding
 
     def stream(self, timeout_s: float | None = None) -> Iterator[tuple[str, object]]:
         while True:
@@ -78,6 +80,7 @@ class _Pending:
     gen: GenerationConfig
     compressor: Compressor
     chosen: bool  # the request named its compressor (a document's copy is then not used)
+    check: bool  # also decode with the full KV and compare (costs a full decode on the engine thread)
 
 
 class EngineService:
@@ -122,7 +125,7 @@ class EngineService:
 
     def submit(self, tokens: list[int], *, max_new_tokens: int, sampling: SamplingParams,
                stop: tuple[str, ...] = (), compressor: str | None = None, horizon: int | None = None,
-               adaptive_horizon: bool = False, logprobs: bool = False) -> Handle:
+               adaptive_horizon: bool = False, logprobs: bool = False, check: bool = False) -> Handle:
         """Check and queue one request; raise ServeError (4xx) for what cannot be served."""
         lim = self.limits
         if not tokens:
@@ -148,7 +151,8 @@ class EngineService:
             raise ServeError(400, f"vericache.compressor: {e}", param="vericache") from None
         try:
             gen = self.engine.config(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop,
-                                     horizon=x, adaptive_horizon=adaptive_horizon, logprobs=logprobs)
+                                     horizon=x, adaptive_horizon=adaptive_horizon, logprobs=logprobs,
+                                     keep_logits=check)
         except ValueError as e:
             raise ServeError(400, str(e)) from None
         with self._lock:
@@ -158,7 +162,7 @@ class EngineService:
                                  "rate_limit_exceeded")
             self._in_flight += 1
             handle = Handle(f"cmpl-{next(self._ids)}", len(tokens), comp.spec, x)
-            self._pending.append(_Pending(handle, list(tokens), gen, comp, compressor is not None))
+            self._pending.append(_Pending(handle, list(tokens), gen, comp, compressor is not None, check))
         self.metrics.running.set(self._in_flight)
         return handle
 
@@ -242,7 +246,7 @@ class EngineService:
                 self.metrics.prefix_hits.inc()
                 self.metrics.prefix_tokens.inc(len(prefix.tokens))
                 try:
-                    self.batch.submit_prefixed(p.tokens, prefix, handle.id, p.gen, **self._callbacks(handle))
+                    self.batch.submit_prefixed(p.tokens, prefix, handle.id, p.gen, **self._callbacks(p))
                 except Exception as e:
                     self._failed(handle, e)
                 continue
@@ -251,14 +255,27 @@ class EngineService:
             except Exception as e:  # a prefill that fails fails its request only
                 self._failed(handle, e)
                 continue
-            self.batch.submit(pre, handle.id, p.gen, p.compressor, **self._callbacks(handle))
+            self.batch.submit(pre, handle.id, p.gen, p.compressor, **self._callbacks(p))
 
-    def _callbacks(self, handle: Handle) -> dict[str, Callable]:
+    def _callbacks(self, p: _Pending) -> dict[str, Callable]:
+        handle = p.handle
         return {"on_commit": lambda tokens: handle.events.put(("tokens", tokens)),
-                "on_done": lambda result: self._done(handle, result),
+                "on_done": lambda result: self._done(handle, result, p if p.check else None),
                 "on_error": lambda error: self._failed(handle, error)}
 
-    def _done(self, handle: Handle, result: GenerationResult) -> None:
+    def _check(self, p: _Pending, result: GenerationResult) -> dict[str, object]:
+        """Engine thread: full-KV decoding of the same prompt, prefilled from scratch, compared."""
+        ref = generate_full(self.engine.runner, self.engine.prefill(p.tokens, reuse_prefix=False), p.gen)
+        cmp = compare(ref, result)
+        self.metrics.checks.labels("identical" if cmp["identical"] else "mismatch").inc()
+        return cmp
+
+    def _done(self, handle: Handle, result: GenerationResult, check: _Pending | None = None) -> None:
+        if check is not None:
+            try:
+                handle.check = self._check(check, result)
+            except Exception as e:  # the output stands (it is verified); only the comparison failed
+                handle.check = {"identical": None, "error": str(e)}
         self.metrics.finished(result, handle.prompt_tokens)
         self._release()
         handle.events.put(("done", result))
