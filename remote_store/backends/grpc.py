@@ -1,7 +1,8 @@
 """``grpc://`` and ``grpcs://``: a client of our store server (``remote_store.server``).
 
 URL: ``grpc[s]://[:TOKEN@]HOST:PORT[?timeout_s=T&ca=CA_PEM&server_name=NAME]``. The token comes from the
-URL's password part or ``VERICACHE_STORE_TOKEN``; for ``grpcs`` the CA bundle from ``ca`` or
+URL's password part, ``VERICACHE_STORE_TOKEN`` or the file named by ``VERICACHE_STORE_TOKEN_FILE``;
+for ``grpcs`` the CA bundle from ``ca`` or
 ``VERICACHE_STORE_CA`` (the system roots otherwise). A layer-grouped get is one server-streaming
 call: each layer's records are yielded as soon as they have arrived.
 """
@@ -27,6 +28,10 @@ class GrpcStore(ByteStore):
             raise ValueError(f"bad store URL {url!r}: expected grpc[s]://[:TOKEN@]HOST:PORT")
         query = dict(parse_qsl(parts.query))
         token = unquote(parts.password) if parts.password else os.environ.get("VERICACHE_STORE_TOKEN")
+        token_file = os.environ.get("VERICACHE_STORE_TOKEN_FILE")
+        if not token and token_file:  # a mounted secret (docker-compose.yml)
+            with open(token_file) as f:
+                token = f.read().strip()
         self.url = f"{parts.scheme}://{parts.hostname}:{parts.port}"
         self.timeout_s = float(query.get("timeout_s", 60))
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()

