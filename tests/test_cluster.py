@@ -50,6 +50,23 @@ def test_compose_file_passes_compose_config(profile):
     assert set(services) == expected
 
 
+def test_every_image_builds_from_files_in_the_repository():
+    """Each service's Dockerfile exists and copies only what the checkout has (no engine runs here)."""
+    for profile in ("cpu", "gpu"):
+        for name, svc in compose_config(profile)["services"].items():
+            if "build" not in svc:
+                continue
+            context = Path(svc["build"]["context"])
+            dockerfile = context / svc["build"]["dockerfile"]
+            assert dockerfile.is_file(), f"{name}: {dockerfile} is missing"
+            lines = dockerfile.read_text().splitlines()
+            assert lines[next(i for i, ln in enumerate(lines) if ln and not ln.startswith("#"))].startswith("FROM ")
+            for line in lines:
+                if line.startswith("COPY "):
+                    for src in line.split()[1:-1]:
+                        assert (context / src).exists(), f"{dockerfile.name}: COPY {src} is not in the checkout"
+
+
 def test_compose_config_rejects_what_the_schema_forbids(tmp_path):
     bad = tmp_path / "compose.yml"
     for body, error in [("bogus: 1", "additional properties 'bogus'"), ("healthcheck: {test: [CMD, true]}",
