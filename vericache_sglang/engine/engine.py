@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
-from remote_store import open_store
+from remote_store import ChunkError, StoreError, open_store
 from remote_store.fullkv import DEFAULT_CHUNK_TOKENS, FullKVStore
 from remote_store.link import LinkEmulator
 from vericache_sglang.core.compress import Compressor, parse_spec
@@ -22,6 +23,8 @@ from vericache_sglang.engine.decode import (
 from vericache_sglang.engine.hardware import memory_bandwidth
 from vericache_sglang.engine.model import DEFAULT_MODEL, load_model
 from vericache_sglang.engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 METHODS = ("vericache", "full", "lossy")
 # A decode step and a verify pass of up to 64 rows (horizon up to 63) run the same GEMM shapes.
@@ -75,12 +78,17 @@ class Engine:
         return list(self.tokenizer(prompt)["input_ids"])
 
     def prefill(self, tokens: Sequence[int], reuse_prefix: bool = True) -> Prefill:
-        """Exact prefill; a prefix whose full KV is already in the store is loaded, not computed."""
+        """Exact prefill; a prefix whose full KV is already in the store is loaded, not computed (and
+        computed after all when the store cannot serve it: the prefill never depends on it)."""
         prefix = None
         if reuse_prefix:
-            found = self.store.longest_prefix(tokens)
-            if found:
-                prefix = self.store.load_prefix(tokens, found)
+            try:
+                found = self.store.longest_prefix(tokens)
+                if found:
+                    prefix = self.store.load_prefix(tokens, found)
+            except (StoreError, ChunkError) as e:
+                log.warning("prefix reuse skipped, the store failed: %s", e)
+                prefix = None
         return prefill(self.runner, tokens, progress=self.progress, prefix=prefix)
 
     def config(self, **kwargs: object) -> GenerationConfig:

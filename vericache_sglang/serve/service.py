@@ -81,6 +81,8 @@ class _Pending:
     compressor: Compressor
     chosen: bool  # the request named its compressor (a document's copy is then not used)
     check: bool  # also decode with the full KV and compare (costs a full decode on the engine thread)
+    prefix: RegisteredPrefix | None = None  # the document copy it started over, if any
+    committed: int = 0
 
 
 class EngineService:
@@ -239,6 +241,7 @@ class EngineService:
         for p in arrived:
             handle = p.handle
             prefix = None if self.prefixes is None or p.chosen else self.prefixes.match(p.tokens)
+            p.prefix = prefix
             if prefix is not None:
                 handle.prefix_tokens, handle.prefix_name = len(prefix.tokens), prefix.name
                 handle.compressor = prefix.compressor.spec
@@ -259,9 +262,29 @@ class EngineService:
 
     def _callbacks(self, p: _Pending) -> dict[str, Callable]:
         handle = p.handle
-        return {"on_commit": lambda tokens: handle.events.put(("tokens", tokens)),
+
+        def commit(tokens: list[int]) -> None:
+            p.committed += len(tokens)
+            handle.events.put(("tokens", tokens))
+
+        return {"on_commit": commit,
                 "on_done": lambda result: self._done(handle, result, p if p.check else None),
-                "on_error": lambda error: self._failed(handle, error)}
+                "on_error": lambda error: self._error(p, error)}
+
+    def _error(self, p: _Pending, error: BaseException) -> None:
+        """A request over a document whose full KV the store no longer serves starts again with a
+        prefill, if it has not committed anything yet; anything else fails the request."""
+        if p.prefix is not None and p.committed == 0 and isinstance(error, StoreError):
+            log.warning("request %s: document %s unavailable (%s); prefilling instead", p.handle.id, p.prefix.name,
+                        error)
+            self.prefixes.by_digest.pop(p.prefix.digest, None)  # the next catalog sync adopts it again if it can
+            self.metrics.store_errors.inc()
+            p.prefix, p.chosen = None, True
+            p.handle.prefix_tokens, p.handle.prefix_name, p.handle.compressor = 0, None, p.compressor.spec
+            with self._lock:
+                self._pending.append(p)
+            return
+        self._failed(p.handle, error)
 
     def _check(self, p: _Pending, result: GenerationResult) -> dict[str, object]:
         """Engine thread: full-KV decoding of the same prompt, prefilled from scratch, compared."""
