@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ from vericache_sglang.sglang.acceptance import greedy_verdicts, pack
 from vericache_sglang.sglang.attention import RUNNER_ATTR, create_draft_backend
 from vericache_sglang.sglang.draft_pool import CompressedDraftPool
 from vericache_sglang.sglang.hooks import config_of
+from vericache_sglang.sglang.metrics import WorkerMetrics, metrics_enabled
 from vericache_sglang.sglang.pool_kv import pool_layout, read_full_kv
 
 logger = logging.getLogger(__name__)
@@ -122,6 +124,10 @@ class VeriCacheWorker(BaseSpecWorker):
         self.draft_backend: Any = None
         self.store: Any = None
         self._requests: dict[str, Any] = {}  # rid -> RequestKV in the full-KV store
+        self.metrics = None
+        if metrics_enabled(server_args):
+            self.metrics = WorkerMetrics({"model_name": str(server_args.served_model_name or server_args.model_path),
+                                          "tp_rank": str(getattr(target_worker, "tp_rank", 0))})
 
     def __getattr__(self, name: str) -> Any:
         if name == "_target_worker":
@@ -187,7 +193,7 @@ class VeriCacheWorker(BaseSpecWorker):
             self.draft_pool.admit(req.rid, kv, seq_len)
             if self.store is not None:
                 handle = self.store.open_request(list(req.origin_input_ids), request_id=req.rid)
-                handle.write(0, full.layers)
+                self._store_write(handle, 0, full)
                 self._requests[req.rid] = handle
         result.next_draft_input = VeriCacheDraftInput(seeds=result.next_token_ids.reshape(-1).to(torch.int64))
         result.new_seq_lens = batch.seq_lens
@@ -227,6 +233,7 @@ class VeriCacheWorker(BaseSpecWorker):
     def _decode(self, batch: Any, on_publish: Any) -> Any:
         from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
+        started = time.perf_counter()
         seeds = batch.spec_info.seeds.to(self.device)
         committed = batch.seq_lens.to(torch.int64)
         drafts = self._draft(batch, seeds, committed)
@@ -251,6 +258,9 @@ class VeriCacheWorker(BaseSpecWorker):
         target = result.logits_output.next_token_logits.argmax(-1).view(bs, width)
         packed = pack(greedy_verdicts(drafts, target), width, committed)
         self._commit(batch, packed, chain, committed, slots)
+        if self.metrics is not None:
+            self.metrics.verified([v.accepted for v in packed.verdicts], self.horizon, time.perf_counter() - started)
+            self.metrics.compressed_kv.set(self.draft_pool.nbytes())
         batch.forward_mode = ForwardMode.DECODE
         if on_publish is not None:
             on_publish(packed.new_seq_lens)
@@ -273,7 +283,17 @@ class VeriCacheWorker(BaseSpecWorker):
             handle = self._requests.get(req.rid)
             if handle is not None:
                 handle.extend_tokens(chain[i, :n].tolist())  # the seed and the accepted drafts
-                handle.write(int(committed[i]), full.layers)
+                self._store_write(handle, int(committed[i]), full)
+
+    def _store_write(self, handle: Any, start: int, full: Any) -> None:
+        try:
+            handle.write(start, full.layers)
+        except Exception:
+            if self.metrics is not None:
+                self.metrics.store_errors.inc()
+            raise
+        if self.metrics is not None:
+            self.metrics.full_kv_written.inc(full.nbytes)
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         if self.draft_pool is not None:

@@ -1,0 +1,60 @@
+"""VeriCache's metrics inside SGLang's scheduler processes.
+
+SGLang runs prometheus_client in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set before its
+processes start) and serves every process's samples at its own ``/metrics`` with ``--enable-metrics``.
+Metrics made here, in the scheduler process that runs the VeriCache worker, therefore appear there
+next to ``sglang:*`` ones, under the names ``vericache serve`` uses (``vericache_*``), labelled like
+SGLang's (``model_name``, ``tp_rank``). Nothing is created without ``--enable-metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ACCEPTED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 65)
+
+
+def metrics_enabled(server_args: Any) -> bool:
+    """Whether the server was started with ``--enable-metrics`` (0.5.23 keeps it in its runtime context)."""
+    try:
+        from sglang.srt.runtime_context import get_observability
+
+        return bool(get_observability().enable_metrics)
+    except (ImportError, AttributeError, KeyError, RuntimeError):
+        return bool(getattr(server_args, "enable_metrics", False))
+
+
+class WorkerMetrics:
+    def __init__(self, labels: dict[str, str]):
+        # imported here: prometheus_client must see PROMETHEUS_MULTIPROC_DIR, which SGLang sets at launch
+        from prometheus_client import Counter, Gauge, Histogram
+
+        names = list(labels)
+        self.labels = labels
+        self.verify_passes = Counter("vericache_verify_passes", "Verification passes over the full KV",
+                                     names).labels(**labels)
+        self.drafted = Counter("vericache_drafted_tokens", "Tokens drafted over the compressed KV",
+                               names).labels(**labels)
+        self.generated = Counter("vericache_generated_tokens", "Verified tokens committed", names).labels(**labels)
+        self.accepted_length = Histogram("vericache_accepted_length", "Tokens committed per verification", names,
+                                         buckets=ACCEPTED_BUCKETS).labels(**labels)
+        self.full_kv_written = Counter("vericache_full_kv_written_bytes", "Full-KV bytes written to the store",
+                                       names).labels(**labels)
+        self.full_kv_fetched = Counter("vericache_full_kv_fetched_bytes", "Full-KV bytes fetched from the store",
+                                       names).labels(**labels)
+        self.link_wait = Counter("vericache_link_wait_seconds", "Time verifications waited for full-KV layers",
+                                 names).labels(**labels)
+        self.store_errors = Counter("vericache_store_errors", "Store operations that failed", names).labels(**labels)
+        self.compressed_kv = Gauge("vericache_compressed_kv_bytes", "Compressed KV held for drafting", names,
+                                   multiprocess_mode="livesum").labels(**labels)
+        self.verify_seconds = Histogram("vericache_step_seconds", "Draft-and-verify step time", names,
+                                        buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)).labels(**labels)
+
+    def verified(self, accepted: list[int], horizon: int, seconds: float) -> None:
+        """One draft-and-verify step: ``accepted[i]`` drafts accepted for request i (each commits one more)."""
+        self.verify_passes.inc(len(accepted))
+        self.drafted.inc(horizon * len(accepted))
+        self.generated.inc(sum(accepted) + len(accepted))
+        for a in accepted:
+            self.accepted_length.observe(a + 1)
+        self.verify_seconds.observe(seconds)
