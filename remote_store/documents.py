@@ -130,4 +130,6 @@ class DocumentCatalog:
             self.store.backend.put_many([(self.index_key, json.dumps(change(self.digests())).encode())])
             if holds(self.digests()):  # a concurrent writer may have overwritten ours: try again
                 return
-        raise StoreError(f"the document index {self.index_key} kept changing under {MAX_INDEX_RETRIES} updates")
+        raise StoreError(f"the store did not keep the updated document index {self.index_key} in "
+                         f"{MAX_INDEX_RETRIES} tries: another writer kept changing it, or the store keeps the first "
+                         "record under a key (LMCache's tier does) and cannot hold a catalog")
