@@ -94,3 +94,26 @@ def test_a_request_larger_than_the_budget_is_a_clear_error(tiny_runner, pres):
 def test_requests_done_at_their_first_token_leave_cleanly(tiny_runner, pres, mode, schedule):
     outs, _ = run_batch(tiny_runner, pres[:2], mode, schedule, cfg=gen(max_new_tokens=1))
     assert [len(o.tokens) for o in outs] == [1, 1]
+
+
+@pytest.mark.parametrize("mode", ["vericache", "lossy"])
+def test_each_prompt_is_compressed_once(tiny_runner, pres, refs, mode):
+    """Sizing a job compresses its prompt; the request that starts it takes that compressed KV."""
+    from vericache_sglang.core.compress.snapkv import SnapKV
+
+    class CountingSnapKV(SnapKV):  # the real compressor, counting its calls
+        calls = 0
+
+        def compress(self, full, obs=None):
+            CountingSnapKV.calls += 1
+            return super().compress(full, obs)
+
+    store = FullKVStore(MemoryStore(), tiny_runner.layout, chunk_tokens=32)
+    engine = BatchEngine(tiny_runner, store, CountingSnapKV(ratio=0.25, window=16),
+                         BatchConfig(mode=mode, kv_budget_bytes=1 << 28), gen())
+    for i, p in enumerate(pres):
+        engine.submit(p, f"r{i}")
+    results = engine.run()
+    assert CountingSnapKV.calls == len(pres)
+    if mode == "vericache":
+        assert all(compare(refs[i], results[f"r{i}"])["identical"] for i in range(len(pres)))

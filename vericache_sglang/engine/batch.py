@@ -29,6 +29,7 @@ import torch
 
 from remote_store.fullkv import FullKVStore
 from vericache_sglang.core.compress import Compressor
+from vericache_sglang.core.kv import CompressedKV
 from vericache_sglang.core.sampling import Sampler
 from vericache_sglang.core.schedule import StaggeredScheduler
 from vericache_sglang.engine.decode import recompute_full_kv
@@ -107,6 +108,10 @@ class Job:
     on_done: Callable[[GenerationResult], None] | None = None
     on_error: Callable[[BaseException], None] | None = None
     compressed_bytes: int | None = None  # its compressed prompt's size, measured once
+    # The compressed prompt made to size the job, handed to the request that starts it (compressing
+    # twice would run KVzip's reconstruction twice). Only the queue's head is sized, so at most one
+    # waiting job holds one.
+    ckv: CompressedKV | None = None
     prefix: RegisteredPrefix | None = None
     prompt: list[int] = field(default_factory=list)
 
@@ -208,7 +213,8 @@ class BatchEngine:
             job.compressed_bytes = job.prefix.compressed_kv_bytes + (len(job.prompt) - len(job.prefix.tokens)) * \
                 self.per_token
         elif job.compressed_bytes is None:
-            job.compressed_bytes = job.compressor.compress(job.pre.kv, job.pre.obs).nbytes
+            job.ckv = job.compressor.compress(job.pre.kv, job.pre.obs)
+            job.compressed_bytes = job.ckv.nbytes
         return job.compressed_bytes + job.gen.max_new_tokens * self.per_token
 
     def _device_need(self, job: Job) -> int:
@@ -312,15 +318,16 @@ class BatchEngine:
                                     job.on_commit, request_id=rid,
                                     recompute=lambda t: recompute_full_kv(self.runner, t), prompt=job.prompt,
                                     prefix_ckv=job.prefix.ckv.clone(), prefix_len=len(job.prefix.tokens))
+        ckv, job.ckv = job.ckv, None
         if mode == "vericache":
             return VeriCacheRequest(self.runner, pre, job.compressor, self.store, job.gen, self.tokenizer,
                                     job.on_commit, request_id=rid,
-                                    recompute=lambda t: recompute_full_kv(self.runner, t))
+                                    recompute=lambda t: recompute_full_kv(self.runner, t), ckv=ckv)
         req = _Plain(rid, pre, job.gen, mode, self.tokenizer, job.compressor, job.on_commit)
         if mode == "full_resident":
             req.ctx = ResidentKV.from_full(pre.kv, len(pre.tokens) + job.gen.max_new_tokens, self.runner.device)
         elif mode == "lossy":
-            req.ckv = job.compressor.compress(pre.kv, pre.obs)
+            req.ckv = ckv if ckv is not None else job.compressor.compress(pre.kv, pre.obs)
         else:
             req.kv = self.store.open_request(pre.tokens, rid)
             req.kv.extend_tokens(req.tokens[len(pre.tokens):])

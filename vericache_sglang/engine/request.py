@@ -46,7 +46,8 @@ class VeriCacheRequest:
                  cfg: GenerationConfig, tokenizer: object | None = None,
                  on_commit: Callable[[list[int]], None] | None = None, request_id: str | None = None,
                  recompute: Callable[[list[int]], ResidentKV] | None = None, *,
-                 prompt: list[int] | None = None, prefix_ckv: CompressedKV | None = None, prefix_len: int = 0):
+                 prompt: list[int] | None = None, prefix_ckv: CompressedKV | None = None, prefix_len: int = 0,
+                 ckv: CompressedKV | None = None):
         self.runner = runner
         self.compressor = compressor
         self.cfg = cfg
@@ -71,8 +72,8 @@ class VeriCacheRequest:
         self.verify_s: float | None = None
         self.link_bytes_s: float | None = None
         self._window_started = self._verify_started = 0.0
-        if pre is not None:
-            self.ckv = compressor.compress(pre.kv, pre.obs)
+        if pre is not None:  # ``ckv``: the prompt's compressed KV, when the caller has made it already
+            self.ckv = ckv if ckv is not None else compressor.compress(pre.kv, pre.obs)
             self.kv = store.open_request(pre.tokens, request_id)
             self.tokens = list(pre.tokens)
             self.exact_upto = len(self.tokens)
