@@ -20,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from remote_store.backends.base import StoreError
 from remote_store.documents import Document, DocumentCatalog
 from remote_store.fullkv import FullKVStore
 from vericache_sglang.core.compress import Compressor, Observation
@@ -30,6 +31,7 @@ from vericache_sglang.engine.observe import RunnerObservation
 from vericache_sglang.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
 
 def document_tokens(tokenizer: object, text: str, role: str = "system") -> list[int]:
     """A document's token ids as requests will carry them: its chat-template segment (a ``system``
@@ -127,8 +129,9 @@ class PrefixRegistry:
 
     def sync(self) -> tuple[list[RegisteredPrefix], list[str]]:
         """Follow the store's catalog: adopt documents listed since the last sync, drop unlisted ones.
-        Returns (adopted, dropped digests). A document that cannot be adopted (missing chunks, a
-        full budget) is skipped and logged; the store being down raises."""
+        Returns (adopted, dropped digests). A document whose KV the store cannot serve now is tried
+        again at the next sync; one that is broken or does not fit the budget is skipped (logged).
+        The store being down raises."""
         docs = {d.digest: d for d in self.catalog.documents()}
         dropped = [d for d, p in self.by_digest.items() if p.listed and d not in docs]
         for d in dropped:
@@ -139,6 +142,9 @@ class PrefixRegistry:
                 continue
             try:
                 prefix = self.adopt(doc)
+            except StoreError as e:  # the store failed or lost chunks: the next sync tries again
+                log.warning("document %s (%s) not adopted yet: %s", doc.name, digest, e)
+                continue
             except Exception as e:  # a broken document must not stop the others
                 self.skipped[digest] = str(e)
                 log.warning("document %s (%s) not adopted: %s", doc.name, digest, e)
