@@ -134,3 +134,17 @@ def test_prefixed_request_must_start_with_its_document(tiny_runner, shared):
     lossy = BatchEngine(tiny_runner, store, parse_spec("knorm"), BatchConfig(mode="lossy"), GenerationConfig())
     with pytest.raises(ValueError, match="needs mode 'vericache'"):
         lossy.submit_prefixed([*_doc(8, 64), 1], prefix, "x")
+
+
+def test_a_document_the_store_cannot_serve_yet_is_tried_again(tiny_runner, shared):
+    store_a, store_b = shared
+    doc = _doc(11, 96)
+    _pre, digest, _ = store_document(tiny_runner, store_a, doc, "flaky")
+    key = store_a.key(store_a.refs(doc)[-1], 0)
+    saved = store_a.backend.get_many([key])[0]
+    store_a.backend.delete_many([key])  # one chunk-layer lost
+    node = PrefixRegistry(tiny_runner, store_b, parse_spec("knorm:ratio=0.5"))
+    assert node.sync() == ([], []) and digest not in node.skipped
+    store_a.backend.put_many([(key, saved)])
+    [adopted] = node.sync()[0]
+    assert adopted.digest == digest
