@@ -84,6 +84,12 @@ def test_chat_over_a_registered_document_is_identical_to_full_kv(client, real_en
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0,
                                                    "vericache": {"compressor": "knorm:ratio=0.5"}})
     assert r.status_code == 200 and r.json()["vericache"]["prefix_tokens"] == 0
+    # removed: unlisted from the store's catalog, the copy dropped, requests prefilled again
+    r = client.delete(f"/v1/prefixes/{doc['digest']}")
+    assert r.status_code == 200 and client.get("/v1/prefixes").json()["data"] == []
+    assert client.delete(f"/v1/prefixes/{doc['digest']}").status_code == 404
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["vericache"]["prefix_tokens"] == 0
 
 
 @pytest.mark.parametrize("body,fragment", [

@@ -239,7 +239,9 @@ def _add_prefix(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--role", default="system", choices=("system", "user", "raw"),
                      help="the chat-template segment it is rendered as (requests must send it the same way)")
     lst = psub.add_parser("list", help="the documents in the store's catalog, or a server's copies")
-    for q in (add, lst):
+    rm = psub.add_parser("remove", help="unlist a document (servers drop their copies at their next sync)")
+    rm.add_argument("digest")
+    for q in (add, lst, rm):
         where = q.add_mutually_exclusive_group(required=True)
         where.add_argument("--server", help="a running 'vericache serve' (http://HOST:PORT): it does the work")
         where.add_argument("--store", help="the full-KV store URL: this process loads the model and writes it")
@@ -258,6 +260,12 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     from vericache_sglang.engine.prefix import document_tokens, store_document
 
     engine = Engine(args.model, store=args.store, namespace=args.store_namespace)
+    if args.action == "remove":
+        if not DocumentCatalog(engine.store).remove(args.digest):
+            print(f"vericache: error: no document {args.digest} is listed", file=sys.stderr)
+            return 1
+        print(f"removed {args.digest}")
+        return 0
     if args.action == "list":
         docs = [d.to_json() for d in DocumentCatalog(engine.store).documents()]
         print(json.dumps(docs) if args.json else "\n".join(f"{d['digest']}  {d['tokens']:>7}  {d['name']}"
@@ -283,6 +291,8 @@ def _prefix_via_server(args: argparse.Namespace) -> int:
     url = args.server.rstrip("/") + "/v1/prefixes"
     if args.action == "list":
         r = httpx.get(url, headers=headers, timeout=30)
+    elif args.action == "remove":
+        r = httpx.delete(f"{url}/{args.digest}", headers=headers, timeout=60)
     else:
         text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text()
         r = httpx.post(url, json={"text": text, "role": args.role, "name": args.name}, headers=headers, timeout=600)
@@ -292,6 +302,8 @@ def _prefix_via_server(args: argparse.Namespace) -> int:
     body = r.json()
     if args.json:
         print(json.dumps(body))
+    elif args.action == "remove":
+        print(f"removed {args.digest}")
     elif args.action == "list":
         for d in body["data"]:
             print(f"{d['digest']}  {d['tokens']:>7}  {d['name']}  ({d['compressor']}, {d['hits']} hits)")

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (both streaming),
 ``/v1/models``, ``/health``, Prometheus ``/metrics``, and ``/v1/prefixes`` (shared documents:
-register, list). Field names follow OpenAI and, where it
+register, list, remove). Field names follow OpenAI and, where it
 adds some (``top_k``), SGLang; per-request VeriCache options go in a ``vericache`` object
 (``compressor``, ``horizon``, ``adaptive_horizon``) and every response carries the request's
 verification statistics under ``vericache``. Streamed text only ever holds verified tokens, and
@@ -223,6 +223,12 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
                 "submitted_tokens": len(tokens), "compressor": prefix.compressor.spec,
                 "compressed_kv_bytes": prefix.compressed_kv_bytes, "full_kv_bytes": prefix.full_kv_bytes,
                 "seconds": prefix.seconds}
+
+    @app.delete("/v1/prefixes/{digest}")
+    def remove_document(digest: str) -> dict:
+        if not service.remove_document(digest):
+            raise ServeError(404, f"no document {digest} is listed", "not_found_error", "digest")
+        return {"object": "document.deleted", "digest": digest, "deleted": True}
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest) -> Any:

@@ -191,6 +191,23 @@ class EngineService:
         except ValueError as e:
             raise ServeError(400, str(e)) from None
 
+    def remove_document(self, digest: str, timeout_s: float = 60.0) -> bool:
+        """Unlist a document from the store's catalog and drop this server's copy (other servers drop
+        theirs at their next sync). Returns whether it was listed."""
+        if self.prefixes is None:
+            raise ServeError(400, "this server has no prefix registry (start it with --prefix-compressor)")
+
+        def remove() -> bool:
+            listed = self.prefixes.catalog.remove(digest)
+            self.prefixes.by_digest.pop(digest, None)
+            return listed
+
+        try:
+            return self._on_engine_thread(remove, timeout_s)
+        except StoreError as e:
+            self.metrics.store_errors.inc()
+            raise ServeError(502, f"the store failed while removing the document: {e}", "server_error") from None
+
     def documents(self) -> list[dict[str, object]]:
         """The documents this server holds a compressed copy of."""
         if self.prefixes is None:
