@@ -40,6 +40,9 @@ class WorkerMetrics:
                                          buckets=ACCEPTED_BUCKETS).labels(**labels)
         self.full_kv_written = Counter("vericache_full_kv_written_bytes", "Full-KV bytes written to the store",
                                        names).labels(**labels)
+        # These two stay at 0 until the worker reloads offloaded full KV from the store for verification
+        # (not built: its verify pass reads the full KV SGLang keeps in its own pool); defined so the
+        # series exist under the names `vericache serve` uses.
         self.full_kv_fetched = Counter("vericache_full_kv_fetched_bytes", "Full-KV bytes fetched from the store",
                                        names).labels(**labels)
         self.link_wait = Counter("vericache_link_wait_seconds", "Time verifications waited for full-KV layers",
