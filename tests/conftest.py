@@ -40,6 +40,14 @@ def real_engine():
     return Engine("smollm2")
 
 
+@pytest.fixture(scope="session")
+def prose_prefill(real_engine):
+    """SmolLM2's exact prefill of the prose prompt, shared by the real-model exactness files."""
+    tokens = real_engine.encode((PROMPTS / "prose.txt").read_text())
+    assert len(tokens) >= 1500
+    return real_engine.prefill(tokens, reuse_prefix=False)
+
+
 @pytest.fixture
 def exactness():
     """Record one identity check: ``exactness(name, comparison_dict)``."""

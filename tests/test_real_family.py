@@ -2,7 +2,6 @@
 full-KV greedy decoding on one real 2,297-token prompt, 48 new tokens, the reference computed once."""
 
 import pytest
-from conftest import PROMPTS
 
 from vericache_sglang.core.compress import COMPRESSORS
 from vericache_sglang.engine.engine import compare
@@ -14,10 +13,8 @@ SPECS = [*sorted(COMPRESSORS), "snapkv:ratio=0.25+kivi:bits=4"]
 
 
 @pytest.fixture(scope="module")
-def pre(real_engine):
-    tokens = real_engine.encode((PROMPTS / "prose.txt").read_text())
-    assert len(tokens) >= 1500
-    return real_engine.prefill(tokens, reuse_prefix=False)
+def pre(prose_prefill):
+    return prose_prefill
 
 
 @pytest.fixture(scope="module")

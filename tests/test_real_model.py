@@ -19,10 +19,8 @@ SAMPLED = SamplingParams(temperature=0.8, seed=1234)
 
 
 @pytest.fixture(scope="module")
-def pre(real_engine):
-    tokens = real_engine.encode((PROMPTS / "prose.txt").read_text())
-    assert len(tokens) >= 1500
-    return real_engine.prefill(tokens, reuse_prefix=False)
+def pre(prose_prefill):
+    return prose_prefill
 
 
 @pytest.fixture(scope="module")
