@@ -102,3 +102,29 @@ def test_chat_over_a_registered_document_is_identical_to_full_kv(client, real_en
 def test_bad_documents_are_clear_400s(client, body, fragment):
     r = client.post("/v1/prefixes", json=body)
     assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+
+
+def test_prefix_cli_against_a_shared_store(redis_url, document, tmp_path):
+    """`vericache prefix add/list/remove --store`: separate processes, one real Redis between them."""
+    import json
+    import subprocess
+    import sys
+    import uuid
+
+    ns = uuid.uuid4().hex[:8]
+    doc = tmp_path / "doc.txt"
+    doc.write_text(document)
+
+    def cli(*args):
+        done = subprocess.run([sys.executable, "-m", "vericache_sglang.cli", "prefix", *args, "--store", redis_url,
+                               "--store-namespace", ns, "--json"], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    added = cli("add", str(doc), "--name", "from-cli")
+    assert added["name"] == "from-cli" and added["tokens"] > 0 and added["tokens"] % 64 == 0
+    [listed] = cli("list")
+    assert (listed["digest"], listed["tokens"]) == (added["digest"], added["tokens"])
+    done = subprocess.run([sys.executable, "-m", "vericache_sglang.cli", "prefix", "remove", added["digest"],
+                           "--store", redis_url, "--store-namespace", ns], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and cli("list") == []

@@ -218,10 +218,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service.start()
     name = args.served_model_name or engine.loaded.name
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler it
-    # found: with this one the process stops the engine and exits 0 instead of dying by the signal.
-    stopping = []
+    # found: with this one (which ignores it) the process stops the engine and exits 0 instead of
+    # dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+        signal.signal(sig, lambda _signum, _frame: None)
     try:
         uvicorn.run(create_app(service, name, api_key), host=args.host, port=args.port, log_level=args.log_level)
     finally:
