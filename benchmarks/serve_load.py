@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "deploy"))
 import cluster  # noqa: E402
 
 from vericache_sglang.bench.common import table  # noqa: E402
-from vericache_sglang.serve.rag_client import ClusterError, chat_stream  # noqa: E402
+from vericache_sglang.serve.rag_client import ClusterError, chat_stream, metric, wait_for_documents  # noqa: E402
 
 QUESTIONS = ("Summarise the document in one sentence.", "What is the first thing the document says?",
              "Name one detail from the document.", "Why does the document matter?")
@@ -57,12 +57,7 @@ def run(streams: int, seconds: float, max_tokens: int, out_dir: Path, log=print)
         with httpx.Client(timeout=600) as client:
             r = client.post(f"{servers[0]}/v1/prefixes", json={"text": doc, "name": "load-doc"})
             r.raise_for_status()
-            digest = r.json()["digest"]
-            for s in servers:  # both servers hold the document before the load starts
-                for _ in range(600):
-                    if digest in {d["digest"] for d in client.get(f"{s}/v1/prefixes").json()["data"]}:
-                        break
-                    time.sleep(0.2)
+            wait_for_documents(client, servers, [r.json()["digest"]], 120.0)  # both hold it before the load
             prompts = _prompts(doc)
             refs = []
             for i, messages in enumerate(prompts):
@@ -87,7 +82,8 @@ def run(streams: int, seconds: float, max_tokens: int, out_dir: Path, log=print)
                     got: list[int] = []
                     rec = {"worker": worker, "prompt": k, "server": server, "start": time.monotonic() - t0}
                     try:
-                        out = chat_stream_tokens(client, server, prompts[k], max_tokens, got)
+                        out = chat_stream(client, server, {"messages": prompts[k], "max_tokens": max_tokens,
+                                                           "temperature": 0}, got)
                         rec.update(outcome="ok", fallbacks=out["vericache"]["store_fallbacks"],
                                    prefix_tokens=out["vericache"]["prefix_tokens"])
                     except (ClusterError, httpx.HTTPError) as e:
@@ -135,7 +131,7 @@ def run(streams: int, seconds: float, max_tokens: int, out_dir: Path, log=print)
         "tokens_per_s": sum(e["tokens"] for e in events) / seconds,
         "servers_healthy_after": all(code == 200 for code in health.values()),
         "clean_shutdown": all(code == 0 for code in codes.values()),
-        "store_errors_metric": [cluster_metric(m, "vericache_store_errors_total") for m in metrics.values()],
+        "store_errors_metric": [metric(m, "vericache_store_errors_total") for m in metrics.values()],
     }
     summary["passed"] = (summary["unverified_or_wrong_tokens"] == 0 and summary["requests"] > 0
                          and summary["after_recovery"] > 0
@@ -153,35 +149,6 @@ def run(streams: int, seconds: float, max_tokens: int, out_dir: Path, log=print)
     _plot(events, killed_at, back_at, out_dir / "serve_load.png")
     log(json.dumps({k: v for k, v in summary.items()}, indent=1))
     return summary
-
-
-def chat_stream_tokens(client: httpx.Client, server: str, messages: list[dict], max_tokens: int,
-                       got: list[int]) -> dict:
-    """``chat_stream``, keeping the tokens streamed so far in ``got`` even when the request fails."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    final = None
-    with client.stream("POST", f"{server}/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise ClusterError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise ClusterError(chunk["error"]["message"])
-            got += chunk["choices"][0].get("token_ids") or []
-            if "vericache" in chunk:
-                final = chunk
-    if final is None:
-        raise ClusterError("the stream ended without its final chunk")
-    return final
-
-
-def cluster_metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def _plot(events: list[dict], killed_at: float, back_at: float, path: Path) -> None:

@@ -48,7 +48,7 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float, every_s: float
         time.sleep(every_s)
 
 
-def _metric(text: str, name: str) -> float:
+def metric(text: str, name: str) -> float:
     """A sample's value from Prometheus text (0 when absent)."""
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
@@ -60,11 +60,22 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def chat_stream(client: httpx.Client, server: str, body: dict) -> dict:
-    """Stream one chat request; return its verified token ids, text, time to first token and stats."""
+def wait_for_documents(client: httpx.Client, servers: list[str], digests: list[str], timeout_s: float) -> None:
+    """Return when every server holds a copy of every document (it follows the store's catalog)."""
+    for s in servers:
+        def holds(s: str = s) -> bool:
+            have = {d["digest"] for d in client.get(f"{s}/v1/prefixes").json()["data"]}
+            return all(d in have for d in digests)
+        _wait(f"{s}: shared documents", holds, timeout_s)
+
+
+def chat_stream(client: httpx.Client, server: str, body: dict, tokens: list[int] | None = None) -> dict:
+    """Stream one chat request; return its verified token ids, text, time to first token and stats.
+    ``tokens``, when given, receives the token ids as they arrive, so a caller still has what was
+    streamed when the request fails."""
     t0 = time.monotonic()
     first = None
-    tokens: list[int] = []
+    tokens = [] if tokens is None else tokens
     text = ""
     final: dict = {}
     with client.stream("POST", f"{server}/v1/chat/completions", json={**body, "stream": True}) as r:
@@ -108,11 +119,7 @@ def run(servers: list[str], documents: list[Path], questions: tuple[str, ...] = 
             docs.append(doc)
             log(f"document {doc['name']}: {doc['tokens']} tokens registered on {servers[0]} in {doc['seconds']:.1f} s "
                 f"({doc['compressor']}, copy {doc['compressed_kv_bytes'] / 2**20:.2f} MiB)")
-        for s in servers:
-            def holds(s=s) -> bool:
-                have = {d["digest"] for d in client.get(f"{s}/v1/prefixes").json()["data"]}
-                return all(d["digest"] in have for d in docs)
-            _wait(f"{s}: shared documents", holds, wait_s)
+        wait_for_documents(client, servers, [d["digest"] for d in docs], wait_s)
         log(f"every server holds a copy of {len(docs)} document(s)")
         rows = []
         turn = 0
@@ -148,11 +155,11 @@ def run(servers: list[str], documents: list[Path], questions: tuple[str, ...] = 
         metrics = {}
         for s in servers:
             text = client.get(f"{s}/metrics").text
-            metrics[s] = {"prefix_hits": _metric(text, "vericache_prefix_hits_total"),
-                          "documents": _metric(text, "vericache_documents"),
-                          "requests_ok": _metric(text, 'vericache_requests_total{status="ok"}'),
-                          "verify_passes": _metric(text, "vericache_verify_passes_total"),
-                          "full_kv_fetched_bytes": _metric(text, "vericache_full_kv_fetched_bytes_total")}
+            metrics[s] = {"prefix_hits": metric(text, "vericache_prefix_hits_total"),
+                          "documents": metric(text, "vericache_documents"),
+                          "requests_ok": metric(text, 'vericache_requests_total{status="ok"}'),
+                          "verify_passes": metric(text, "vericache_verify_passes_total"),
+                          "full_kv_fetched_bytes": metric(text, "vericache_full_kv_fetched_bytes_total")}
     shared = [r for r in rows if r["shared"]]
     baseline = [r for r in rows if not r["shared"]]
     summary = {
