@@ -132,22 +132,25 @@ class PrefixRegistry:
         Returns (adopted, dropped digests). A document whose KV the store cannot serve now is tried
         again at the next sync; one that is broken or does not fit the budget is skipped (logged).
         The store being down raises."""
-        docs = {d.digest: d for d in self.catalog.documents()}
-        dropped = [d for d, p in self.by_digest.items() if p.listed and d not in docs]
+        listed = self.catalog.digests()  # one read; records only of documents new to this server
+        dropped = [d for d, p in self.by_digest.items() if p.listed and d not in listed]
         for d in dropped:
             del self.by_digest[d]
         adopted = []
-        for digest, doc in docs.items():
+        for digest in listed:
             if digest in self.by_digest or digest in self.skipped:
                 continue
             try:
+                doc = self.catalog.get(digest)
+                if doc is None:  # its record was deleted under the index
+                    continue
                 prefix = self.adopt(doc)
             except StoreError as e:  # the store failed or lost chunks: the next sync tries again
-                log.warning("document %s (%s) not adopted yet: %s", doc.name, digest, e)
+                log.warning("document %s not adopted yet: %s", digest, e)
                 continue
             except Exception as e:  # a broken document must not stop the others
                 self.skipped[digest] = str(e)
-                log.warning("document %s (%s) not adopted: %s", doc.name, digest, e)
+                log.warning("document %s not adopted: %s", digest, e)
                 continue
             if self.max_bytes and self.nbytes > self.max_bytes:
                 del self.by_digest[digest]
