@@ -32,12 +32,12 @@ def refs(tiny_runner, pres):
     return [generate_full(tiny_runner, p, gen()) for p in pres]
 
 
-def run_batch(runner, pres, mode, schedule="staggered", budget_units=2.5, cfg=None, link_bytes_s=5e8):
+def run_batch(runner, pres, mode, schedule="staggered", budget_units=2.5, cfg=None, link_bytes_s=5e8, **batch):
     unit = (320 + 24) * runner.layout.bytes_per_token
     store = FullKVStore(LinkEmulator(MemoryStore(), link_bytes_s), runner.layout, chunk_tokens=32)
     engine = BatchEngine(runner, store, parse_spec(SPEC),
                          BatchConfig(mode=mode, schedule=schedule, kv_budget_bytes=int(budget_units * unit),
-                                     window=48), cfg or gen())
+                                     window=48, **batch), cfg or gen())
     for i, p in enumerate(pres):
         engine.submit(p, f"r{i}")
     out = engine.run()
@@ -70,6 +70,18 @@ def test_staggered_verifications_spread_while_lockstep_bunches(tiny_runner, pres
     assert lock.stats.peak_running == stag.stats.peak_running == 5
     assert lock.stats.max_verifies_per_iteration == 5  # all five reloads land on the link together
     assert stag.stats.max_verifies_per_iteration < 5
+
+
+def test_a_late_verification_waits_at_the_horizon_unless_told_to_draft_on(tiny_runner, pres, refs):
+    # A slow link pushes verifications past the horizon (6): by default a request stops drafting
+    # there; with draft_until_verify it drafts up to its verification. Both stay exact.
+    stopped, engine = run_batch(tiny_runner, pres, "vericache", budget_units=20, link_bytes_s=2e7)
+    assert max(max(o.stats.drafted) for o in stopped) == 6
+    drafting, _ = run_batch(tiny_runner, pres, "vericache", budget_units=20, link_bytes_s=2e7,
+                            draft_until_verify=True)
+    assert max(max(o.stats.drafted) for o in drafting) > 6
+    for ref, a, b in zip(refs, stopped, drafting, strict=True):
+        assert compare(ref, a)["identical"] and compare(ref, b)["identical"]
 
 
 def test_seeded_sampling_in_a_batch_is_identical(tiny_runner, pres, exactness):

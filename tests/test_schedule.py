@@ -109,3 +109,31 @@ def test_slack_plans_reloads_over_more_iterations_with_the_same_link_time():
     (span_t, per_t), (span_l, per_l) = tight.reload_span(size), loose.reload_span(size)
     assert (span_t, span_l) == (2, 3)
     assert span_t * per_t == span_l * per_l == size / LINK
+
+
+def test_memory_ring_holds_what_lands_on_the_device_not_what_the_link_carries():
+    # Each reload writes a commit out and reads a full KV in: both cross the link, only the
+    # assembled full KV occupies the device. With room for two of those, two are in flight at once.
+    read, write = 40_000_000, 60_000_000
+    s = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=2 * read + 1, slack=1.0)
+    res = [s.admit(f"r{i}", read + write, 3, device_bytes=read)[f"r{i}"] for i in range(4)]
+    spans = [(r.reload_start, r.verify_at) for r in res]
+    assert all(r.device_bytes == read for r in res)
+    assert max(sum(a <= i <= b for a, b in spans) for i in range(40)) == 2  # two in flight, never three
+    s.check()
+    counted_whole = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK,
+                                       memory_capacity=2 * read + 1, slack=1.0)
+    whole = [counted_whole.admit(f"r{i}", read + write, 3)[f"r{i}"] for i in range(4)]
+    assert max(sum(r.reload_start <= i <= r.verify_at for r in whole) for i in range(40)) == 1
+    for r in res:
+        s.cancel(r.request_id)
+    assert s.memory == [0] * s.window and all(abs(x) < 1e-12 for x in s.link)
+
+
+def test_a_reload_needs_link_bytes_and_nonnegative_device_bytes():
+    s = StaggeredScheduler(window=8, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=10**9)
+    for link_bytes, device_bytes in [(0, 10), (10, -1)]:
+        with pytest.raises(ValueError, match="device bytes"):
+            s.admit("r", link_bytes, 2, device_bytes=device_bytes)
+    # rows held on the device make the link carry less than the device holds
+    assert s.admit("r", 10, 2, device_bytes=30)["r"].device_bytes == 30

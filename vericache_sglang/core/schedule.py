@@ -7,7 +7,10 @@ The paper's ADMIT (§5). A look-ahead window of ``W`` iterations carries two res
 - memory: ``memory[i]`` is the full-KV bytes reloaded onto the device and not yet consumed in
   iteration ``i``; it never exceeds the capacity left for reloads.
 
-A request's reload of ``B`` bytes takes ``B / link_bandwidth`` seconds and is spread over
+A reload puts ``B`` bytes on the link (the previous verification's commit written out, then the
+rows of the full KV the device does not hold) and holds ``M`` bytes on the device until its
+verification (the assembled full KV: a write leaves from KV the device holds anyway, and rows a
+compressor keeps exactly are copied in rather than fetched). It takes ``B / link_bandwidth`` seconds and is spread over
 ``S = ceil(that / iteration_time)`` iterations ending right before its verify iteration ``d``.
 ADMIT tries ``d`` at the anchor (``horizon + 1`` iterations ahead), then one earlier, one later,
 two earlier, ... and reserves the first that fits both rings; a request that fits nowhere waits,
@@ -30,8 +33,9 @@ class Reservation:
     request_id: str
     reload_start: int  # the iteration the reload begins
     verify_at: int  # the iteration the verify pass runs
-    reload_bytes: int
+    reload_bytes: int  # on the link
     link_s_per_iteration: float  # link time reserved in each iteration of [reload_start, verify_at)
+    device_bytes: int  # held on the device from reload_start through verify_at
 
 
 class StaggeredScheduler:
@@ -50,7 +54,8 @@ class StaggeredScheduler:
         self.slack = slack
         self.link = [0.0] * window
         self.memory = [0] * window
-        self.waiting: deque[tuple[str, int, int]] = deque()  # (request id, reload bytes, anchor gap)
+        # (request id, link bytes, device bytes, anchor gap)
+        self.waiting: deque[tuple[str, int, int, int]] = deque()
         self.reservations: dict[str, Reservation] = {}
 
     # measurements
@@ -84,30 +89,37 @@ class StaggeredScheduler:
         need = min(nbytes, self.memory_capacity)
         return all(self.memory[i % self.window] + need <= self.memory_capacity for i in range(start, verify + 1))
 
-    def _try(self, request_id: str, reload_bytes: int, anchor_gap: int) -> Reservation | None:
+    def _try(self, request_id: str, reload_bytes: int, device_bytes: int, anchor_gap: int) -> Reservation | None:
         span, per_iteration = self.reload_span(reload_bytes)
         lo = self.now + span  # the reload starts at the earliest next iteration
         hi = self.now + self.window - 1
         anchor = min(max(self.now + anchor_gap, lo), hi)
         for step in range(2 * self.window):
             d = anchor + (-(step + 1) // 2 if step % 2 else step // 2)  # anchor, -1, +1, -2, +2, ...
-            if lo <= d <= hi and self._fits(d - span, d, per_iteration, reload_bytes):
+            if lo <= d <= hi and self._fits(d - span, d, per_iteration, device_bytes):
+                held = min(device_bytes, self.memory_capacity)
                 for i in range(d - span, d):
                     self.link[i % self.window] += per_iteration
                 for i in range(d - span, d + 1):
-                    self.memory[i % self.window] += min(reload_bytes, self.memory_capacity)
-                res = Reservation(request_id, d - span, d, reload_bytes, per_iteration)
+                    self.memory[i % self.window] += held
+                res = Reservation(request_id, d - span, d, reload_bytes, per_iteration, held)
                 self.reservations[request_id] = res
                 return res
         return None
 
-    def admit(self, request_id: str, reload_bytes: int, anchor_gap: int) -> dict[str, Reservation]:
-        """Queue a request for a verification about ``anchor_gap`` iterations ahead, then admit what
-        fits, oldest first: returns every reservation made now (the new request's among them if
-        it fit, and those of requests that were waiting before it)."""
+    def admit(self, request_id: str, reload_bytes: int, anchor_gap: int,
+              device_bytes: int | None = None) -> dict[str, Reservation]:
+        """Queue a request for a verification about ``anchor_gap`` iterations ahead, its reload
+        moving ``reload_bytes`` over the link and holding ``device_bytes`` (default: as many) on
+        the device, then admit what fits, oldest first: returns every reservation made now (the
+        new request's among them if it fit, and those of requests that were waiting before it)."""
         if request_id in self.reservations:
             raise ValueError(f"request {request_id} already has a reservation")
-        self.waiting.append((request_id, reload_bytes, anchor_gap))
+        device_bytes = reload_bytes if device_bytes is None else device_bytes
+        if reload_bytes <= 0 or device_bytes < 0:
+            raise ValueError(f"request {request_id}: a reload of {reload_bytes} link bytes and {device_bytes} "
+                             "device bytes (link bytes must be > 0, device bytes >= 0)")
+        self.waiting.append((request_id, reload_bytes, device_bytes, anchor_gap))
         return self.retry_waiting()
 
     def retry_waiting(self) -> dict[str, Reservation]:
@@ -115,8 +127,8 @@ class StaggeredScheduler:
         does not fit, so a later small request cannot overtake an earlier large one forever)."""
         admitted = {}
         while self.waiting:
-            request_id, nbytes, gap = self.waiting[0]
-            res = self._try(request_id, nbytes, gap)
+            request_id, nbytes, device_bytes, gap = self.waiting[0]
+            res = self._try(request_id, nbytes, device_bytes, gap)
             if res is None:
                 break
             self.waiting.popleft()
@@ -132,7 +144,7 @@ class StaggeredScheduler:
         for i in range(max(res.reload_start, self.now), res.verify_at):
             self.link[i % self.window] -= res.link_s_per_iteration
         for i in range(max(res.reload_start, self.now), res.verify_at + 1):
-            self.memory[i % self.window] -= res.reload_bytes
+            self.memory[i % self.window] -= res.device_bytes
 
     def complete(self, request_id: str) -> None:
         """The request verified this iteration: its reservation is consumed."""

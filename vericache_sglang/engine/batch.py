@@ -50,6 +50,11 @@ class BatchConfig:
     kv_budget_bytes: int = 1 << 30
     window: int = 64  # the scheduler's look-ahead, in iterations
     max_running: int = 64
+    # A verification the scheduler places later than the request's horizon: keep drafting until it
+    # (more tokens per reload; nearly free where decoding is memory-bound, as on a GPU) or stop at
+    # the horizon and wait (the default: extra rows cost compute where decoding is compute-bound,
+    # and the horizon stays what was configured).
+    draft_until_verify: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -173,6 +178,7 @@ class BatchEngine:
         self.results: dict[str, GenerationResult] = {}
         self._fetch_intervals: list[tuple[float, float]] = []
         self._reload_reserve = 0
+        self._iteration_s: float | None = None  # the staggered scheduler's last estimate, kept across batches
 
     def submit(self, pre: Prefill, request_id: str, gen: GenerationConfig | None = None,
                compressor: Compressor | None = None, on_commit: Callable[[list[int]], None] | None = None,
@@ -393,8 +399,10 @@ class BatchEngine:
         # room for the largest reload must stay free, or no verification could ever be scheduled
         self._reload_reserve = 0
         used = self._finish_done(running, self._join(running, 0, reserve_for_reloads=True))
-        sched = StaggeredScheduler(self.batch.window, iteration_s=0.05, link_bytes_s=self._link_estimate(),
-                                   memory_capacity=self.batch.kv_budget_bytes - used)
+        if self._iteration_s is None and running:
+            self._iteration_s = self._time_iteration(running)
+        sched = StaggeredScheduler(self.batch.window, iteration_s=self._iteration_s or 0.05,
+                                   link_bytes_s=self._link_estimate(), memory_capacity=self.batch.kv_budget_bytes - used)
         to_admit = list(running)
         while running:
             for rid in to_admit:
@@ -439,7 +447,20 @@ class BatchEngine:
             sched.set_memory_capacity(self.batch.kv_budget_bytes - used)
             self._end_iteration(t, running)
             sched.observe_iteration(time.monotonic() - t)
+            self._iteration_s = sched.iteration_s
             sched.tick()
+
+    def _time_iteration(self, running: dict) -> float:
+        """Time one draft forward of the batch and discard it: the scheduler's first iteration-time
+        estimate. A guess would misplace the whole first round of reloads (too short an iteration
+        spreads the verifications over far more iterations than the link needs, and the requests
+        draft far past their horizon meanwhile). Each window the scheduler opens starts afresh."""
+        reqs = [req for req, _ in running.values()]
+        for req in reqs:
+            req.begin_window(max(1, req.next_horizon()))
+        t = time.monotonic()
+        self.runner.forward([req.draft_segment() for req in reqs if req.drafting])
+        return max(time.monotonic() - t, 1e-4)
 
     def _finish_done(self, running: dict, used: int) -> int:
         """Requests that ended with the prefill's token (max_new_tokens=1, EOS) leave at once."""
@@ -470,13 +491,15 @@ class BatchEngine:
     def _admit(self, sched: StaggeredScheduler, rid: str, running: dict) -> None:
         """Schedule the request's next verification; every request admitted now starts drafting."""
         req = running[rid][0]
-        self._start_windows(sched, sched.admit(rid, req.next_reload_bytes(), max(1, req.next_horizon())), running)
+        admitted = sched.admit(rid, req.next_reload_bytes(), max(1, req.next_horizon()),
+                               device_bytes=req.reload_device_bytes())
+        self._start_windows(sched, admitted, running)
 
-    @staticmethod
-    def _start_windows(sched: StaggeredScheduler, admitted: dict, running: dict) -> None:
+    def _start_windows(self, sched: StaggeredScheduler, admitted: dict, running: dict) -> None:
         for res in admitted.values():
             req = running[res.request_id][0]
-            req.begin_window(req.next_horizon(res.verify_at - sched.now))
+            gap = res.verify_at - sched.now  # iterations left to draft in before the verification
+            req.begin_window(req.next_horizon(gap) if self.batch.draft_until_verify else min(gap, req.next_horizon()))
 
     def _run_lockstep(self, running: dict) -> None:
         used = self._finish_done(running, self._join(running, 0))
