@@ -75,7 +75,7 @@ def test_staggered_verifications_spread_while_lockstep_bunches(tiny_runner, pres
 def test_a_late_verification_waits_at_the_horizon_unless_told_to_draft_on(tiny_runner, pres, refs):
     # A slow link pushes verifications past the horizon (6): by default a request stops drafting
     # there; with draft_until_verify it drafts up to its verification. Both stay exact.
-    stopped, engine = run_batch(tiny_runner, pres, "vericache", budget_units=20, link_bytes_s=2e7)
+    stopped, _ = run_batch(tiny_runner, pres, "vericache", budget_units=20, link_bytes_s=2e7)
     assert max(max(o.stats.drafted) for o in stopped) == 6
     drafting, _ = run_batch(tiny_runner, pres, "vericache", budget_units=20, link_bytes_s=2e7,
                             draft_until_verify=True)

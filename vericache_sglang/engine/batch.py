@@ -402,7 +402,8 @@ class BatchEngine:
         if self._iteration_s is None and running:
             self._iteration_s = self._time_iteration(running)
         sched = StaggeredScheduler(self.batch.window, iteration_s=self._iteration_s or 0.05,
-                                   link_bytes_s=self._link_estimate(), memory_capacity=self.batch.kv_budget_bytes - used)
+                                   link_bytes_s=self._link_estimate(),
+                                   memory_capacity=self.batch.kv_budget_bytes - used)
         to_admit = list(running)
         while running:
             for rid in to_admit:
