@@ -19,6 +19,8 @@ The device here is whatever the runner runs on; "device bytes" are accounted, as
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 import time
 from collections import deque
@@ -285,15 +287,20 @@ class BatchEngine:
         else:
             self.results[rid] = result
 
-    def _join(self, running: dict, used: int, reserve_for_reloads: bool = False) -> int:
-        """Move queued requests into the batch while their device bytes fit; return bytes in use."""
+    def _join(self, running: dict, used: int, reloads: Callable[[int, Job], int] | None = None,
+              limit: int | None = None) -> int:
+        """Move queued requests into the batch while their device bytes fit; return bytes in use.
+        ``reloads(n, job)``: how many full-KV reloads must also fit once ``n`` requests run (a
+        staggered batch), each as large as the largest request's."""
         if self.intake is not None:
             self.intake()
-        while self.queue and len(running) < self.batch.max_running:
+        limit = self.batch.max_running if limit is None else min(limit, self.batch.max_running)
+        while self.queue and len(running) < limit:
             job = self.queue[0]
             try:
                 need = self._device_need(job)
-                reserve = max(self._reload_reserve, self._full_reserve(job)) if reserve_for_reloads else 0
+                unit = max(self._reload_reserve, self._full_reserve(job))
+                reserve = 0 if reloads is None else unit * min(len(running) + 1, reloads(len(running) + 1, job))
                 if used + need + reserve > self.batch.kv_budget_bytes:
                     if running:
                         break  # it waits for room
@@ -311,8 +318,8 @@ class BatchEngine:
                     raise
                 job.on_error(e)
                 continue
-            if reserve_for_reloads:
-                self._reload_reserve = reserve
+            if reloads is not None:
+                self._reload_reserve = unit
             running[job.rid] = (req, need)
             used += need
         return used
@@ -396,14 +403,17 @@ class BatchEngine:
         running = {} if running is None else running
         if self.batch.schedule == "lockstep":
             return self._run_lockstep(running)
-        # room for the largest reload must stay free, or no verification could ever be scheduled
-        self._reload_reserve = 0
-        used = self._finish_done(running, self._join(running, 0, reserve_for_reloads=True))
-        if self._iteration_s is None and running:
-            self._iteration_s = self._time_iteration(running)
+        self._reload_reserve = 0  # the largest reload a running request may need
+        used = 0
+        if self._iteration_s is None:  # time one iteration (of one request) before sizing the batch on it
+            used = self._finish_done(running, self._join(running, 0, reloads=lambda n, job: 1, limit=1))
+            if running:
+                self._iteration_s = self._time_iteration(running)
         sched = StaggeredScheduler(self.batch.window, iteration_s=self._iteration_s or 0.05,
-                                   link_bytes_s=self._link_estimate(),
-                                   memory_capacity=self.batch.kv_budget_bytes - used)
+                                   link_bytes_s=self._link_estimate(), memory_capacity=self.batch.kv_budget_bytes)
+        reloads = functools.partial(self._reloads_needed, sched)
+        used = self._finish_done(running, self._join(running, used, reloads=reloads))
+        sched.set_memory_capacity(self.batch.kv_budget_bytes - used)
         to_admit = list(running)
         while running:
             for rid in to_admit:
@@ -443,13 +453,22 @@ class BatchEngine:
                 req.release()
                 self._finish(rid, req.result())
             before = set(running)
-            used = self._finish_done(running, self._join(running, used, reserve_for_reloads=True))
+            used = self._finish_done(running, self._join(running, used, reloads=reloads))
             to_admit += [rid for rid in running if rid not in before]
             sched.set_memory_capacity(self.batch.kv_budget_bytes - used)
             self._end_iteration(t, running)
             sched.observe_iteration(time.monotonic() - t)
             self._iteration_s = sched.iteration_s
             sched.tick()
+
+    def _reloads_needed(self, sched: StaggeredScheduler, requests: int, job: Job) -> int:
+        """Reloads that must fit on the device at once for ``requests`` requests to each verify every
+        horizon + 1 iterations: each holds its memory over its span and its verify iteration. A
+        batch whose compressed KVs leave room for fewer makes its requests wait for verification
+        slots with their memory taken, so a request joins only while this many still fit (at
+        least one, or no verification could ever be scheduled)."""
+        span, _ = sched.reload_span(self._full_reserve(job))
+        return max(1, math.ceil(requests * (span + 1) / (job.gen.horizon + 1)))
 
     def _time_iteration(self, running: dict) -> float:
         """Time one draft forward of the batch and discard it: the scheduler's first iteration-time
