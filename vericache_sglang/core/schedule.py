@@ -10,13 +10,16 @@ The paper's ADMIT (§5). A look-ahead window of ``W`` iterations carries two res
 A reload puts ``B`` bytes on the link (the previous verification's commit written out, then the
 rows of the full KV the device does not hold) and holds ``M`` bytes on the device until its
 verification (the assembled full KV: a write leaves from KV the device holds anyway, and rows a
-compressor keeps exactly are copied in rather than fetched). It takes ``B / link_bandwidth`` seconds and is spread over
-``S = ceil(that / iteration_time)`` iterations ending right before its verify iteration ``d``.
+compressor keeps exactly are copied in rather than fetched). It takes ``B / link_bandwidth``
+seconds and is spread over ``S = ceil(slack * that / iteration_time)`` iterations ending right
+before its verify iteration ``d``.
+
 ADMIT tries ``d`` at the anchor (``horizon + 1`` iterations ahead), then one earlier, one later,
 two earlier, ... and reserves the first that fits both rings; a request that fits nowhere waits,
 and waiting requests are retried first, in arrival order, so none starves. Bandwidth and
 iteration time are measured by the engine and fed in, never constants. Engine-independent: the
-reference engine and the SGLang worker use the same class.
+reference engine's batch uses it, and the SGLang worker's reload path is to use it too (that path
+is not built yet: the worker keeps the full KV on the GPU).
 """
 
 from __future__ import annotations

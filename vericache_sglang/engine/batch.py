@@ -12,7 +12,8 @@ matmuls; each attends to its own KV). Modes, all on the same runner and budget:
   same iteration (conventional speculative decoding; the reloads flood the link together).
 - ``vericache`` with ``schedule="staggered"``: the core scheduler (``core/schedule.py``) spreads the
   verifications so a few reloads are in flight at once, each started early enough to finish
-  before its request's verify iteration, within the link and memory rings.
+  before its request's verify iteration, within the link and memory rings; the batch keeps room
+  for the reloads its verifications need at once.
 
 The device here is whatever the runner runs on; "device bytes" are accounted, as a GPU's would be.
 """
