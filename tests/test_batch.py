@@ -56,7 +56,7 @@ def test_every_exact_mode_is_identical_to_full_kv(tiny_runner, pres, refs, mode,
     assert engine.stats.generated_tokens == 5 * 24
 
 
-def test_budget_limits_resident_concurrency_but_not_vericache(tiny_runner, pres):
+def test_budget_limits_resident_concurrency_more_than_vericache(tiny_runner, pres):
     _, resident = run_batch(tiny_runner, pres, "full_resident", budget_units=2.5)
     _, vericache = run_batch(tiny_runner, pres, "vericache", "staggered", budget_units=2.5)
     assert resident.stats.peak_running == 2  # two full KVs fit
