@@ -180,7 +180,7 @@ class BatchEngine:
         self.stats = BatchStats()
         self.results: dict[str, GenerationResult] = {}
         self._fetch_intervals: list[tuple[float, float]] = []
-        self._reload_reserve = 0
+        self._largest_reload = 0
         self._iteration_s: float | None = None  # the staggered scheduler's last estimate, kept across batches
 
     def submit(self, pre: Prefill, request_id: str, gen: GenerationConfig | None = None,
@@ -300,8 +300,8 @@ class BatchEngine:
             job = self.queue[0]
             try:
                 need = self._device_need(job)
-                unit = max(self._reload_reserve, self._full_reserve(job))
-                reserve = 0 if reloads is None else unit * min(len(running) + 1, reloads(len(running) + 1, job))
+                unit = max(self._largest_reload, self._full_reserve(job))
+                reserve = 0 if reloads is None else unit * reloads(len(running) + 1, job)
                 if used + need + reserve > self.batch.kv_budget_bytes:
                     if running:
                         break  # it waits for room
@@ -320,7 +320,7 @@ class BatchEngine:
                 job.on_error(e)
                 continue
             if reloads is not None:
-                self._reload_reserve = unit
+                self._largest_reload = unit
             running[job.rid] = (req, need)
             used += need
         return used
@@ -404,7 +404,7 @@ class BatchEngine:
         running = {} if running is None else running
         if self.batch.schedule == "lockstep":
             return self._run_lockstep(running)
-        self._reload_reserve = 0  # the largest reload a running request may need
+        self._largest_reload = 0  # the largest reload a running request may need
         used = 0
         if self._iteration_s is None:  # time one iteration (of one request) before sizing the batch on it
             used = self._finish_done(running, self._join(running, 0, reloads=lambda n, job: 1, limit=1))
@@ -467,9 +467,9 @@ class BatchEngine:
         horizon + 1 iterations: each holds its memory over its span and its verify iteration. A
         batch whose compressed KVs leave room for fewer makes its requests wait for verification
         slots with their memory taken, so a request joins only while this many still fit (at
-        least one, or no verification could ever be scheduled)."""
+        least one, or no verification could ever be scheduled; at most one per request)."""
         span, _ = sched.reload_span(self._full_reserve(job))
-        return max(1, math.ceil(requests * (span + 1) / (job.gen.horizon + 1)))
+        return min(requests, max(1, math.ceil(requests * (span + 1) / (job.gen.horizon + 1))))
 
     def _time_iteration(self, running: dict) -> float:
         """Time one draft forward of the batch and discard it: the scheduler's first iteration-time
@@ -513,7 +513,9 @@ class BatchEngine:
         """Schedule the request's next verification; every request admitted now starts drafting."""
         req = running[rid][0]
         admitted = sched.admit(rid, req.next_reload_bytes(), max(1, req.next_horizon()),
-                               device_bytes=req.reload_device_bytes())
+                               # the verify pass assembles the whole full KV on the device (held
+                               # rows copied in, not fetched)
+                               device_bytes=req.full_kv_bytes())
         self._start_windows(sched, admitted, running)
 
     def _start_windows(self, sched: StaggeredScheduler, admitted: dict, running: dict) -> None:

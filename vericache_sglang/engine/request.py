@@ -139,12 +139,6 @@ class VeriCacheRequest:
         write = 0 if self.pending is None else self.pending[1][0][0].shape[1] * per_token
         return max(1, write + (self.last_read_bytes or self.full_kv_bytes()))
 
-    def reload_device_bytes(self) -> int:
-        """What the next reload holds on the device until its verification: the assembled full KV
-        (the rows the compressed KV holds exactly are copied in, not fetched; the write leaves from
-        KV the device holds anyway)."""
-        return self.full_kv_bytes()
-
     # fetch
     def start_fetch(self) -> None:
         if self.resident is not None:
