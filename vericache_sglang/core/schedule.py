@@ -18,8 +18,8 @@ ADMIT tries ``d`` at the anchor (``horizon + 1`` iterations ahead), then one ear
 two earlier, ... and reserves the first that fits both rings; a request that fits nowhere waits,
 and waiting requests are retried first, in arrival order, so none starves. Bandwidth and
 iteration time are measured by the engine and fed in, never constants. Engine-independent: the
-reference engine's batch uses it, and the SGLang worker's reload path is to use it too (that path
-is not built yet: the worker keeps the full KV on the GPU).
+reference engine's batch uses it, and so does the SGLang host tier's reload driver
+(``vericache_sglang/sglang/reloads.py``), which the SGLang worker does not call yet.
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ Per decode step, for every running request (one synchronous step; overlap schedu
 4. The committed tokens' exact K/V (read back from the target pool) goes to the store (when
    ``full_kv=store``) and into the compressed KV through the compressor's ``update``.
 
-Not done yet (see the issue's notes): freeing an offloaded request's full KV from the device and
-reloading it per layer through HiCache's layer counter under the staggered scheduler; rejection
-sampling inside this worker (the config accepts it; the worker refuses non-greedy batches).
+Not done yet: giving up an offloaded request's device slots and verifying over per-layer reloads
+(``host_tier`` and ``reloads`` are built for it; docs/architecture.md says what stands between
+them and this worker: the slots belong to SGLang's radix tree and scheduler); rejection sampling
+inside this worker (the config accepts it; the worker refuses non-greedy batches).
 """
 
 from __future__ import annotations
