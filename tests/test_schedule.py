@@ -137,3 +137,29 @@ def test_a_reload_needs_link_bytes_and_nonnegative_device_bytes():
             s.admit("r", link_bytes, 2, device_bytes=device_bytes)
     # rows held on the device make the link carry less than the device holds
     assert s.admit("r", 10, 2, device_bytes=30)["r"].device_bytes == 30
+
+
+def test_not_before_keeps_verifications_after_the_drafts():
+    """An engine whose requests verify only after all their drafts (the SGLang worker's groups
+    within one step) asks for ``not_before``: placements then search only later iterations, and a
+    request that fits nowhere that late waits instead of verifying early."""
+    s = StaggeredScheduler(window=12, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=int(1e12))
+    size = int(0.9 * ITER_S * LINK)  # each reload takes most of one iteration's link time
+    placed = {}
+    for i in range(6):
+        placed.update(s.admit(f"r{i}", size, anchor_gap=4, not_before=4))
+    # two reloads share the link over two iterations each (slack 1.5): pairs at 4, 6, 8
+    assert sorted(r.verify_at for r in placed.values()) == [4, 4, 6, 6, 8, 8]
+    s.check()
+    # without it, the same requests would spread to both sides of the anchor
+    free = StaggeredScheduler(window=12, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=int(1e12))
+    early = {}
+    for i in range(6):
+        early.update(free.admit(f"r{i}", size, anchor_gap=4))
+    assert min(r.verify_at for r in early.values()) < 4
+    # the window ends at iteration 11: a request that must verify at 12 or later waits
+    late = StaggeredScheduler(window=12, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=int(1e12))
+    assert late.admit("x", size, anchor_gap=4, not_before=12) == {}
+    assert [w[0] for w in late.waiting] == ["x"]
+    late.tick()
+    assert "x" in late.retry_waiting()

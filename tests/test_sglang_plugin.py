@@ -105,6 +105,10 @@ def test_config_survives_pickling_to_a_subprocess():
     ({}, ("--speculative-algorithm", "EAGLE"), "--speculative-algorithm 'EAGLE' was given"),
     ({"horizon": 8}, ("--speculative-num-draft-tokens", "4"), "--speculative-num-draft-tokens 4 was given"),
     ({}, ("--radix-cache-backend", "flexkv"), "--radix-cache-backend 'flexkv' was given"),
+    ({"full_kv": "host"}, ("--page-size", "16"), "--page-size > 1 with full_kv=host"),
+    ({"full_kv": "host"}, ("--disaggregation-mode", "decode"), "disaggregation with full_kv=host"),
+    ({"full_kv": "host", "reload_room": 1.5}, (), "reload_room must be a number in (0.0, 1.0)"),
+    ({"full_kv": "host", "host_pool_ratio": 0}, (), "host_pool_ratio must be a number in (0.0, inf)"),
 ])
 def test_contradictory_or_unsupported_settings_are_clear_errors(config, extra, message):
     with pytest.raises(VeriCacheConfigError) as err:
@@ -167,9 +171,9 @@ def test_registries_hold_the_algorithm_and_backends():
     from sglang.srt.mem_cache.registry import registered_radix_cache_backends
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, DRAFT_ATTENTION_BACKEND_CHOICES
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from vericache_sglang.sglang.worker import VeriCacheWorker
 
     from vericache_sglang.sglang.spec_algo import VeriCacheSpecAlgo
+    from vericache_sglang.sglang.worker import VeriCacheWorker
 
     algo = SpeculativeAlgorithm.from_string("vericache")
     assert isinstance(algo, VeriCacheSpecAlgo)

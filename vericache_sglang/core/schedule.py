@@ -18,8 +18,9 @@ ADMIT tries ``d`` at the anchor (``horizon + 1`` iterations ahead), then one ear
 two earlier, ... and reserves the first that fits both rings; a request that fits nowhere waits,
 and waiting requests are retried first, in arrival order, so none starves. Bandwidth and
 iteration time are measured by the engine and fed in, never constants. Engine-independent: the
-reference engine's batch uses it, and so does the SGLang host tier's reload driver
-(``vericache_sglang/sglang/reloads.py``), which the SGLang worker does not call yet.
+reference engine's batch uses it, and so does the SGLang worker with ``full_kv: "host"``
+(``vericache_sglang/sglang/reloads.py``), whose iterations are its draft passes and verify groups
+and whose verifications may not run before their drafts are done (``not_before``).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class StaggeredScheduler:
         self.slack = slack
         self.link = [0.0] * window
         self.memory = [0] * window
-        # (request id, link bytes, device bytes, anchor gap)
-        self.waiting: deque[tuple[str, int, int, int]] = deque()
+        # (request id, link bytes, device bytes, anchor gap, earliest verify iteration)
+        self.waiting: deque[tuple[str, int, int, int, int]] = deque()
         self.reservations: dict[str, Reservation] = {}
 
     # measurements
@@ -92,9 +93,10 @@ class StaggeredScheduler:
         need = min(nbytes, self.memory_capacity)
         return all(self.memory[i % self.window] + need <= self.memory_capacity for i in range(start, verify + 1))
 
-    def _try(self, request_id: str, reload_bytes: int, device_bytes: int, anchor_gap: int) -> Reservation | None:
+    def _try(self, request_id: str, reload_bytes: int, device_bytes: int, anchor_gap: int,
+             earliest: int) -> Reservation | None:
         span, per_iteration = self.reload_span(reload_bytes)
-        lo = self.now + span  # the reload starts at the earliest next iteration
+        lo = max(self.now + span, earliest)  # the reload starts at the earliest next iteration
         hi = self.now + self.window - 1
         anchor = min(max(self.now + anchor_gap, lo), hi)
         for step in range(2 * self.window):
@@ -111,18 +113,21 @@ class StaggeredScheduler:
         return None
 
     def admit(self, request_id: str, reload_bytes: int, anchor_gap: int,
-              device_bytes: int | None = None) -> dict[str, Reservation]:
+              device_bytes: int | None = None, not_before: int | None = None) -> dict[str, Reservation]:
         """Queue a request for a verification about ``anchor_gap`` iterations ahead, its reload
         moving ``reload_bytes`` over the link and holding ``device_bytes`` (default: as many) on
         the device, then admit what fits, oldest first: returns every reservation made now (the
-        new request's among them if it fit, and those of requests that were waiting before it)."""
+        new request's among them if it fit, and those of requests that were waiting before it).
+        ``not_before`` is the earliest iteration (absolute) the verification may run, for an engine
+        whose requests cannot verify before their drafts are done."""
         if request_id in self.reservations:
             raise ValueError(f"request {request_id} already has a reservation")
         device_bytes = reload_bytes if device_bytes is None else device_bytes
         if reload_bytes <= 0 or device_bytes < 0:
             raise ValueError(f"request {request_id}: a reload of {reload_bytes} link bytes and {device_bytes} "
                              "device bytes (link bytes must be > 0, device bytes >= 0)")
-        self.waiting.append((request_id, reload_bytes, device_bytes, anchor_gap))
+        earliest = self.now if not_before is None else not_before
+        self.waiting.append((request_id, reload_bytes, device_bytes, anchor_gap, earliest))
         return self.retry_waiting()
 
     def retry_waiting(self) -> dict[str, Reservation]:
@@ -130,8 +135,8 @@ class StaggeredScheduler:
         does not fit, so a later small request cannot overtake an earlier large one forever)."""
         admitted = {}
         while self.waiting:
-            request_id, nbytes, device_bytes, gap = self.waiting[0]
-            res = self._try(request_id, nbytes, device_bytes, gap)
+            request_id, nbytes, device_bytes, gap, earliest = self.waiting[0]
+            res = self._try(request_id, nbytes, device_bytes, gap, earliest)
             if res is None:
                 break
             self.waiting.popleft()

@@ -16,9 +16,11 @@ from vericache_sglang.core.compress import COMPRESSORS, Compressor, SpecError, p
 
 VERIFICATION_POLICIES = ("greedy", "rejection")
 # Where a request's full KV lives between verifications. "device": in SGLang's own KV pool
-# (self-speculation; no memory saved). "store": written to the full-KV store after prefill and
-# after each verify, fetched back for the next verify while drafting runs.
-FULL_KV_PLACES = ("device", "store")
+# (self-speculation; no memory saved). "store": also written to the full-KV store after prefill
+# and after each verify (the device copy stays). "host": moved to SGLang's host pool after prefill
+# and after each verify, its device slots freed, and reloaded per layer for each verification at
+# the time the staggered scheduler plans (unverified: needs a GPU with sglang).
+FULL_KV_PLACES = ("device", "store", "host")
 MAX_HORIZON = 64
 
 
@@ -52,6 +54,8 @@ class VeriCacheConfig:
     verification: str = "greedy"
     stagger_window: int = 4  # verifications whose fetches may be in flight at once
     max_verifies_per_step: int = 0  # 0: no cap
+    reload_room: float = 0.25  # full_kv=host: share of the KV pool held for reloads
+    host_pool_ratio: float = 4.0  # full_kv=host: host pool tokens per device pool token
 
     def __post_init__(self) -> None:
         try:
@@ -81,6 +85,10 @@ class VeriCacheConfig:
         if self.max_verifies_per_step < 0:
             raise VeriCacheConfigError(
                 f"vericache-config max_verifies_per_step must be >= 0, got {self.max_verifies_per_step}")
+        for name, lo, hi in (("reload_room", 0.0, 1.0), ("host_pool_ratio", 0.0, float("inf"))):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not lo < value < hi:
+                raise VeriCacheConfigError(f"vericache-config {name} must be a number in ({lo}, {hi}), got {value!r}")
         if self.full_kv not in FULL_KV_PLACES:
             raise VeriCacheConfigError(
                 f"vericache-config full_kv must be one of {', '.join(FULL_KV_PLACES)}, got {self.full_kv!r}")

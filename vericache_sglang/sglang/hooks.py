@@ -30,8 +30,9 @@ def add_cli_args_hook(result: Any, parser: argparse.ArgumentParser) -> Any:
              "--speculative-algorithm VERICACHE and --radix-cache-backend vericache.")
     group.add_argument(
         "--vericache-config", type=str, default=None,
-        help="JSON object (or @file): compressor, horizon, full_kv (device|store), store URL, "
-             "verification (greedy|rejection), stagger_window, max_verifies_per_step.")
+        help="JSON object (or @file): compressor, horizon, full_kv (device|store|host), store URL, "
+             "verification (greedy|rejection), stagger_window, max_verifies_per_step, reload_room, "
+             "host_pool_ratio.")
     return result
 
 
@@ -72,8 +73,14 @@ def implied_flags(cfg: VeriCacheConfig) -> dict[str, Any]:
 
 
 # Settings VeriCache cannot serve yet, each with why.
-def _unsupported(server_args: Any) -> list[str]:
+def _unsupported(server_args: Any, cfg: VeriCacheConfig) -> list[str]:
     problems = []
+    if cfg.full_kv == "host":
+        if int(getattr(server_args, "page_size", 1) or 1) > 1:
+            problems.append("--page-size > 1 with full_kv=host: offloaded rows are moved token by token")
+        if str(getattr(server_args, "disaggregation_mode", "null")) not in ("null", "None"):
+            problems.append("prefill/decode disaggregation with full_kv=host: a retraction backup would read "
+                            "rows whose KV is in the host tier")
     if int(getattr(server_args, "tp_size", 1) or 1) > 1:
         problems.append("tensor parallelism (--tp-size > 1): the compressed pool is not sharded yet")
     if int(getattr(server_args, "pp_size", 1) or 1) > 1:
@@ -92,7 +99,7 @@ def apply_implied_flags(server_args: Any, cfg: VeriCacheConfig) -> None:
     # ServerArgs' own default lookup (0.5.23): a field still at its default was not given.
     from sglang.srt.server_args import _declared_default
 
-    problems = _unsupported(server_args)
+    problems = _unsupported(server_args, cfg)
     if problems:
         raise VeriCacheConfigError("--enable-vericache cannot be combined with: " + "; ".join(problems))
     for name, value in implied_flags(cfg).items():

@@ -99,6 +99,18 @@ class HostFullKV:
         device_pool.register_layer_transfer_counter(self.counter)
         self.bytes_per_token = self.host_pool.get_size_per_token()
         self._rows: dict[str, torch.Tensor] = {}  # request id -> host slots, in token order
+        self._loads: dict[int, tuple[TransferCompletion, int]] = {}  # producer -> its completion, bytes
+
+    def _indices(self, host: torch.Tensor, device: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices where the io backend reads them (HiCache's controller does the same): both on
+        the device for ``kernel``, both on the host, sorted by host slot, for ``direct``."""
+        device = device.to(torch.int64)
+        if self.io_backend == "kernel":
+            return host.to(self.device_pool.device, non_blocking=True), device
+        if self.io_backend == "direct":
+            host, order = host.sort()
+            return host, device.cpu().index_select(0, order)
+        return host, device
 
     # -- what is held ---------------------------------------------------------------------------
 
@@ -130,8 +142,8 @@ class HostFullKV:
             raise HostTierFull(f"request {rid}: {n} tokens to offload, the host pool has "
                                f"{self.available_tokens()} free of {self.host_pool.size}")
         try:
-            done = self.engine.submit_device_to_host([L2Transfer(self.host_pool, self.device_pool, host,
-                                                                 device_slots.to(torch.int64))])
+            done = self.engine.submit_device_to_host([L2Transfer(self.host_pool, self.device_pool,
+                                                                 *self._indices(host, device_slots))])
         except Exception:
             self.host_pool.free(host)
             raise
@@ -158,18 +170,40 @@ class HostFullKV:
                 raise ValueError(f"request {rid}: {slots.numel()} device slots for {row.numel()} held tokens")
             hosts.append(row)
             devices.append(slots.to(torch.int64))
+        # The counter rotates over a few event sets; one still loading must finish before reuse.
+        upcoming = (self.counter.producer_index + 1) % self.counter.num_counters
+        self.counter.events[upcoming].finish_event.synchronize()
         producer = self.counter.update_producer()
         event = self.counter.events[producer]
         event.start_event.record()
-        self.engine.submit_host_to_device(
-            [L2Transfer(self.host_pool, self.device_pool, torch.cat(hosts), torch.cat(devices))],
+        host = torch.cat(hosts)
+        done = self.engine.submit_host_to_device(
+            [L2Transfer(self.host_pool, self.device_pool, *self._indices(host, torch.cat(devices)))],
             transfer_layer_id_max=self.device_pool.layer_num, start_event=event.start_event,
             on_layer_done=event.complete)
+        self._loads[producer] = (done, int(host.numel()) * self.bytes_per_token)
         return producer
 
     def consume(self, producer: int) -> None:
         """Make the device pool's readers wait per layer on reload ``producer`` (until ``done``)."""
         self.counter.set_consumer(producer)
+
+    def wait_loaded(self, producer: int) -> None:
+        """Make the current stream wait for all of reload ``producer`` (for a verify pass that reads
+        several reloads: it waits per layer on one of them, ``consume``, and whole on the others)."""
+        self.counter.events[producer].finish_event.wait()
+
+    def link_sample(self, producer: int) -> tuple[int, float] | None:
+        """``(bytes, seconds)`` reload ``producer`` took, once it has finished and where the device
+        times its events (CUDA); None otherwise."""
+        entry = self._loads.get(producer)
+        if entry is None:
+            return None
+        done, nbytes = entry
+        if not done.timing_enabled or not done.finish_event.query():
+            return None
+        del self._loads[producer]
+        return nbytes, done.start_event.elapsed_time(done.finish_event) / 1e3
 
     def done(self) -> None:
         """The verify pass has been issued: later passes (prefill, drafts) do not wait."""

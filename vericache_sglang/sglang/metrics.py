@@ -38,13 +38,13 @@ class WorkerMetrics:
         self.generated = Counter("vericache_generated_tokens", "Verified tokens committed", names).labels(**labels)
         self.accepted_length = Histogram("vericache_accepted_length", "Tokens committed per verification", names,
                                          buckets=ACCEPTED_BUCKETS).labels(**labels)
-        self.full_kv_written = Counter("vericache_full_kv_written_bytes", "Full-KV bytes written to the store",
-                                       names).labels(**labels)
-        # These two stay at 0 until the worker reloads offloaded full KV from the store for verification
-        # (not built: its verify pass reads the full KV SGLang keeps in its own pool); defined so the
-        # series exist under the names `vericache serve` uses.
-        self.full_kv_fetched = Counter("vericache_full_kv_fetched_bytes", "Full-KV bytes fetched from the store",
-                                       names).labels(**labels)
+        self.full_kv_written = Counter("vericache_full_kv_written_bytes",
+                                       "Full-KV bytes written to the store or the host tier", names).labels(**labels)
+        # Reloads for verification (full_kv=host). The link wait stays at 0 in the worker: the
+        # verify pass waits per layer on the device's stream, which the host cannot time without
+        # a synchronisation; defined so the series exist under the names `vericache serve` uses.
+        self.full_kv_fetched = Counter("vericache_full_kv_fetched_bytes",
+                                       "Full-KV bytes fetched from the store or the host tier", names).labels(**labels)
         self.link_wait = Counter("vericache_link_wait_seconds", "Time verifications waited for full-KV layers",
                                  names).labels(**labels)
         self.store_errors = Counter("vericache_store_errors", "Store operations that failed", names).labels(**labels)

@@ -6,6 +6,9 @@ node's end (a compressor scores a prefix as a whole, so a copy cannot be cut per
 lookup splits a node, the copy stays with the deeper half, whose path is unchanged. A copy is
 dropped the moment its node leaves the tree, so a lookup can only ever return the copy of a
 prefix that is still cached.
+
+Requests whose full KV the worker offloads (``full_kv: "host"``) stay out of the tree; their rows
+are freed through ``free_kv_row``/``on_release``, which leave the offloaded positions alone.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixPara
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from vericache_sglang.core.kv import CompressedKV
+from vericache_sglang.sglang.offload import offload_for
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,23 @@ class VeriCacheRadixCache(RadixCache):
         return len(self._copies)
 
     # -- keeping copies and tree together ------------------------------------------------------
+
+    # -- rows of offloaded requests (offload.py) -----------------------------------------------
+
+    def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        """SGLang frees a request's row: positions whose KV was offloaded to the host tier hold no
+        slots of the row's own, so they are left out."""
+        ledger = offload_for(self.token_to_kv_pool_allocator)
+        if ledger is not None:
+            ranges = ledger.resident_ranges(kv.req_pool_idx, ranges)
+        if ranges:
+            super().free_kv_row(kv, ranges)
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        ledger = offload_for(self.token_to_kv_pool_allocator)
+        if ledger is not None:
+            ledger.release(req.rid)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         super()._delete_leaf(node)

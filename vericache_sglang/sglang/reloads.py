@@ -9,7 +9,8 @@ on; after the verify pass, ``verified`` gives the slots back. Device slots for r
 between a reload's start and its verification, so the device holds the full KV of the requests
 verifying soon, not of every running request.
 
-UNVERIFIED on a GPU: the SGLang worker does not call this yet (see the worker's docstring).
+UNVERIFIED on a GPU: the worker calls it through ``host_offload`` (``full_kv: "host"``); CPU tests
+run it on SGLang's pools with torch copies.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ class StaggeredReloads:
         self.allocator = allocator
         self.inflight: dict[str, Reload] = {}
 
-    def admit(self, rid: str, anchor_gap: int) -> dict[str, Reservation]:
+    def admit(self, rid: str, anchor_gap: int, not_before: int | None = None) -> dict[str, Reservation]:
         """Plan ``rid``'s next verification about ``anchor_gap`` iterations ahead (its reload moves
         and holds the full KV the host tier has for it)."""
         nbytes = self.tier.nbytes(rid)
-        return self.scheduler.admit(rid, nbytes, anchor_gap, device_bytes=nbytes)
+        return self.scheduler.admit(rid, nbytes, anchor_gap, device_bytes=nbytes, not_before=not_before)
 
     def start_due(self) -> list[Reload]:
         """Start every reload whose reservation begins by this iteration (one H2D submission); a
@@ -76,11 +77,30 @@ class StaggeredReloads:
         """The reloads whose verification runs this iteration (their producers to ``consume``)."""
         return [self.inflight[r.request_id] for r in self.scheduler.verifying() if r.request_id in self.inflight]
 
+    def before_verify(self, group: list[Reload]) -> None:
+        """Make the verify pass of ``group`` wait for its reloads: per layer on the newest (which
+        may still be loading as the pass starts), whole on older ones (done or nearly)."""
+        newest = max(group, key=lambda r: r.reservation.reload_start).producer
+        for producer in {r.producer for r in group} - {newest}:
+            self.tier.wait_loaded(producer)
+        self.tier.consume(newest)
+
+    def after_verify(self, group: list[Reload]) -> None:
+        """The verify pass of ``group`` is issued: later passes stop waiting, and each request's
+        slots go back (``verified``)."""
+        self.tier.done()
+        for reload in group:
+            self.verified(reload.rid)
+
     def verified(self, rid: str) -> None:
-        """``rid``'s verify pass ran: its device slots go back, its reservation is consumed."""
+        """``rid``'s verify pass ran: its device slots go back, its reservation is consumed, and
+        the link time its reload took (where the device times it) feeds the scheduler."""
         reload = self.inflight.pop(rid)
         self.allocator.free(reload.slots)
         self.scheduler.complete(rid)
+        sample = self.tier.link_sample(reload.producer)
+        if sample is not None:
+            self.scheduler.observe_link(*sample)
 
     def cancel(self, rid: str) -> None:
         """``rid`` left (finished or aborted): drop its plan and any device slots it holds."""

@@ -15,15 +15,22 @@ Per decode step, for every running request (one synchronous step; overlap schedu
    scratch slots.
 2. One TARGET_VERIFY pass over the target pool: the seed and the drafts as a chain (causal; an
    ``NgramVerifyInput`` with no tree), writing their exact K/V at the slots SGLang reserved.
-3. The core decides (``greedy_accept``); a chain needs no KV compaction: the seed and accepted
-   drafts are already the front of the reserved slots, the rest is overwritten next step.
+   With ``full_kv=host`` (``host_offload``), the requests' own KV is not on the device between
+   verifications: the draft passes are iterations of the core's staggered scheduler, reloads
+   start during them, and the verify pass runs per group of requests, each reload lent to its
+   request's row for its pass.
+3. The core decides (``greedy_accept``) over the whole batch; a chain needs no KV compaction: the
+   seed and accepted drafts are already the front of the reserved slots, the rest is overwritten
+   next step.
 4. The committed tokens' exact K/V (read back from the target pool) goes to the store (when
-   ``full_kv=store``) and into the compressed KV through the compressor's ``update``.
+   ``full_kv=store``), into the compressed KV through the compressor's ``update``, and with
+   ``full_kv=host`` to the host tier, its device slots freed.
 
-Not done yet: giving up an offloaded request's device slots and verifying over per-layer reloads
-(``host_tier`` and ``reloads`` are built for it; docs/architecture.md says what stands between
-them and this worker: the slots belong to SGLang's radix tree and scheduler); rejection sampling
-inside this worker (the config accepts it; the worker refuses non-greedy batches).
+Not done yet: rejection sampling inside this worker (the config accepts it; the worker refuses
+non-greedy batches); with ``full_kv=host``, moving KV off the device asynchronously (the worker
+waits for each device-to-host copy before freeing the slots) and sharing a matched prefix's host
+copy between requests (each offloaded request keeps its own rows; a prefix it matched in the
+radix tree stays on the device, owned by the tree).
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -125,6 +134,8 @@ class VeriCacheWorker(BaseSpecWorker):
         self.draft_backend: Any = None
         self.store: Any = None
         self._requests: dict[str, Any] = {}  # rid -> RequestKV in the full-KV store
+        self.host: Any = None  # HostOffload when full_kv=host
+        self._host_bytes_seen = (0, 0)  # its byte totals already counted in the metrics
         self.metrics = None
         if metrics_enabled(server_args):
             self.metrics = WorkerMetrics({"model_name": str(server_args.served_model_name or server_args.model_path),
@@ -160,6 +171,12 @@ class VeriCacheWorker(BaseSpecWorker):
             from remote_store.fullkv import FullKVStore
 
             self.store = FullKVStore(open_store(self.cfg.store), self.layout, namespace="sglang")
+        if self.cfg.full_kv == "host":
+            from vericache_sglang.sglang.host_offload import HostOffload
+
+            self.host = HostOffload(self.cfg, self.model_runner,
+                                    token_to_kv_pool_allocator or self.model_runner.token_to_kv_pool_allocator,
+                                    on_release=self._forget)
 
     def init_attention_backends(self) -> None:
         self.draft_backend = create_draft_backend(self.model_runner)
@@ -188,7 +205,13 @@ class VeriCacheWorker(BaseSpecWorker):
         offset = 0
         for req, seq_len, ext in zip(batch.reqs, batch.seq_lens.tolist(), batch.extend_lens, strict=True):
             offset += ext
-            slots = req_to_token[req.req_pool_idx, :seq_len].to(torch.int64)
+            if self.host is not None:
+                # before SGLang checkpoints the first chunk into the tree: the rows stay the request's
+                req.skip_radix_cache_insert = True
+            if seq_len < len(req.origin_input_ids):
+                continue  # a chunk of a chunked prefill: compress once the whole prompt has KV
+            self._forget(req.rid)  # a retracted request prefills again from scratch
+            slots = req_to_token[req.kv.req_pool_idx, :seq_len].to(torch.int64)
             full = read_full_kv(self.model_runner.token_to_kv_pool, slots, self.layout)
             kv = self.compressor.compress(full, self._capture.observation(offset - ext, offset))
             self.draft_pool.admit(req.rid, kv, seq_len)
@@ -196,6 +219,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 handle = self.store.open_request(list(req.origin_input_ids), request_id=req.rid)
                 self._store_write(handle, 0, full)
                 self._requests[req.rid] = handle
+            if self.host is not None:
+                self.host.offload(req, seq_len)
         result.next_draft_input = VeriCacheDraftInput(seeds=result.next_token_ids.reshape(-1).to(torch.int64))
         result.new_seq_lens = batch.seq_lens
         if on_publish is not None:
@@ -224,52 +249,74 @@ class VeriCacheWorker(BaseSpecWorker):
                               req_pool_indices=rows, seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(),
                               seq_lens_sum=int(seq_lens.sum()), out_cache_loc=scratch[:, j],
                               positions=committed + j, capture_hidden_mode=CaptureHiddenMode.NULL)
-            with self._drafting(fb):
-                self.draft_backend.init_forward_metadata(fb)
-                logits = self.model_runner.forward(fb).logits_output.next_token_logits
-            tokens = logits.argmax(-1)
+            tokens = self._draft_pass(fb) if self.host is None else self.host.draft_pass(partial(self._draft_pass, fb))
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
 
-    def _decode(self, batch: Any, on_publish: Any) -> Any:
-        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+    def _draft_pass(self, fb: ForwardBatch) -> torch.Tensor:
+        with self._drafting(fb):
+            self.draft_backend.init_forward_metadata(fb)
+            logits = self.model_runner.forward(fb).logits_output.next_token_logits
+        return logits.argmax(-1)
 
+    def _decode(self, batch: Any, on_publish: Any) -> Any:
         started = time.perf_counter()
         seeds = batch.spec_info.seeds.to(self.device)
         committed = batch.seq_lens.to(torch.int64)
+        if self.host is not None:
+            self.host.plan(batch.reqs)
         drafts = self._draft(batch, seeds, committed)
         bs, width = len(batch.reqs), self.horizon + 1
         chain = torch.cat([seeds[:, None], drafts], dim=1)  # [bs, x + 1]
         positions = committed[:, None] + torch.arange(width, device=self.device)[None]
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         slots = req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions].to(torch.int64)
-        verify = NgramVerifyInput(
-            draft_token=chain.reshape(-1), custom_mask=None, positions=positions.reshape(-1),
-            retrieve_index=torch.arange(bs * width, device=self.device).view(bs, width),
-            retrieve_next_token=torch.cat([torch.arange(1, width, device=self.device),
-                                           torch.tensor([-1], device=self.device)]).repeat(bs, 1),
-            retrieve_next_sibling=torch.full((bs, width), -1, device=self.device), draft_token_num=width)
-        seq_lens = (committed + width).to(torch.int32)
-        fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=chain.reshape(-1),
-                          req_pool_indices=batch.req_pool_indices, seq_lens=committed.to(torch.int32),
-                          seq_lens_cpu=committed.cpu().to(torch.int32), seq_lens_sum=int(seq_lens.sum()),
-                          out_cache_loc=slots.reshape(-1), positions=positions.reshape(-1), spec_info=verify,
-                          spec_algorithm=batch.spec_algorithm, capture_hidden_mode=CaptureHiddenMode.NULL)
-        result = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
-        target = result.logits_output.next_token_logits.argmax(-1).view(bs, width)
+
+        def verify(rows: torch.Tensor) -> torch.Tensor:
+            return self._verify(batch, rows.to(self.device), chain, positions, slots, committed)
+
+        if self.host is None:
+            logits = verify(torch.arange(bs))
+        else:
+            logits = self.host.verify(batch.reqs, verify, width)
+        target = logits.argmax(-1).view(bs, width)
         packed = pack(greedy_verdicts(drafts, target), width, committed)
         self._commit(batch, packed, chain, committed, slots)
         if self.metrics is not None:
             self.metrics.verified([v.accepted for v in packed.verdicts], self.horizon, time.perf_counter() - started)
             self.metrics.compressed_kv.set(self.draft_pool.nbytes())
+            self._count_host_bytes()
         batch.forward_mode = ForwardMode.DECODE
         if on_publish is not None:
             on_publish(packed.new_seq_lens)
         return GenerationBatchResult(
-            logits_output=result.logits_output, next_token_ids=packed.output_ids.reshape(-1),
+            logits_output=LogitsProcessorOutput(next_token_logits=logits), next_token_ids=packed.output_ids.reshape(-1),
             accept_lens=packed.accept_lens, new_seq_lens=packed.new_seq_lens,
             next_draft_input=VeriCacheDraftInput(seeds=packed.next_seeds),
             speculative_num_draft_tokens=width, can_run_cuda_graph=False)
+
+    def _verify(self, batch: Any, rows: torch.Tensor, chain: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+        """One TARGET_VERIFY pass over the requests at batch indices ``rows``: their [seed, drafts]
+        chains as causal chains over the target pool; returns the logits, ``[len(rows) * width, vocab]``."""
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+        n, width = int(rows.numel()), self.horizon + 1
+        lens = committed[rows]
+        verify = NgramVerifyInput(
+            draft_token=chain[rows].reshape(-1), custom_mask=None, positions=positions[rows].reshape(-1),
+            retrieve_index=torch.arange(n * width, device=self.device).view(n, width),
+            retrieve_next_token=torch.cat([torch.arange(1, width, device=self.device),
+                                           torch.tensor([-1], device=self.device)]).repeat(n, 1),
+            retrieve_next_sibling=torch.full((n, width), -1, device=self.device), draft_token_num=width)
+        fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=n, input_ids=chain[rows].reshape(-1),
+                          req_pool_indices=batch.req_pool_indices[rows], seq_lens=lens.to(torch.int32),
+                          seq_lens_cpu=lens.cpu().to(torch.int32), seq_lens_sum=int((lens + width).sum()),
+                          out_cache_loc=slots[rows].reshape(-1), positions=positions[rows].reshape(-1),
+                          spec_info=verify, spec_algorithm=batch.spec_algorithm,
+                          capture_hidden_mode=CaptureHiddenMode.NULL)
+        result = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+        return result.logits_output.next_token_logits
 
     def _commit(self, batch: Any, packed: Any, chain: torch.Tensor, committed: torch.Tensor,
                 slots: torch.Tensor) -> None:
@@ -285,6 +332,8 @@ class VeriCacheWorker(BaseSpecWorker):
             if handle is not None:
                 handle.extend_tokens(chain[i, :n].tolist())  # the seed and the accepted drafts
                 self._store_write(handle, int(committed[i]), full)
+            if self.host is not None:
+                self.host.offload(req, int(committed[i]) + n)
 
     def _store_write(self, handle: Any, start: int, full: Any) -> None:
         try:
@@ -296,7 +345,19 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.metrics is not None:
             self.metrics.full_kv_written.inc(full.nbytes)
 
+    def _count_host_bytes(self) -> None:
+        if self.host is None:
+            return
+        written, fetched = self.host.offloaded_bytes, self.host.reloaded_bytes
+        self.metrics.full_kv_written.inc(written - self._host_bytes_seen[0])
+        self.metrics.full_kv_fetched.inc(fetched - self._host_bytes_seen[1])
+        self._host_bytes_seen = (written, fetched)
+
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """Drop what the worker keeps for ``rid`` (it finished, left, or prefills again)."""
         if self.draft_pool is not None:
             self.draft_pool.release(rid)
         handle = self._requests.pop(rid, None)
