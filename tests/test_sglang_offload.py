@@ -207,16 +207,19 @@ def test_groups_verify_one_after_another_in_the_reload_room():
     reqs = [s.request(f"r{i}", list(range(1000 * i, 1000 * i + 60))) for i in range(6)]
     for req in reqs:
         host.offload(req, 60)
-    for _ in range(2):
+    for step in range(3):
         host.plan(reqs)
         for _ in range(host.horizon):
             host.draft_pass(lambda: torch.zeros(1))
         groups: list[list[int]] = []
         logits = host.verify(reqs, _grouped_reading(s, reqs, groups), width=5)
         assert sorted(i for g in groups for i in g) == list(range(6)) and len(groups) >= 3
-        assert all(len(g) * 60 <= host.arena_slots for g in groups)
+        assert all(sum(host.tier.num_tokens(reqs[i].rid) for i in g) <= host.arena_slots for g in groups)
         # the logits come back in batch order whatever the groups were
         assert torch.equal(logits.view(6, 5, 2), torch.arange(6.0)[:, None, None].expand(6, 5, 2))
+        for i, req in enumerate(reqs):  # each commits 1 to 5 tokens, which go to the host too
+            s.extend(req, 1 + (i + step) % 5)
+            host.offload(req, req.kv.kv_committed_len)
     for req in reqs:
         release_kv_cache(req, s.cache, checkpoint=False)  # as a retraction releases them
     assert host.arena is None and s.alloc.available_size() == total

@@ -26,8 +26,14 @@ Per decode step, for every running request (one synchronous step; overlap schedu
    ``full_kv=store``), into the compressed KV through the compressor's ``update``, and with
    ``full_kv=host`` to the host tier, its device slots freed.
 
-Not done yet: rejection sampling inside this worker (the config accepts it; the worker refuses
-non-greedy batches); with ``full_kv=host``, moving KV off the device asynchronously (the worker
+Sampled requests (temperature, top_k, top_p, a seed) draw drafts and verification with the core's
+position-keyed sampler (``acceptance``): with ``verification: "greedy"`` the verifier's own draw at
+each position decides (exactly what the core's full-KV sampling draws there); with
+``"rejection"``, speculative rejection sampling (lossless in distribution). Requests the worker
+cannot verify (penalties, min_p, logit_bias, a grammar, logprobs) end after their first token
+(SGLang's own full-KV sample) with the reason.
+
+Not done yet: with ``full_kv=host``, moving KV off the device asynchronously (the worker
 waits for each device-to-host copy before freeing the slots) and sharing a matched prefix's host
 copy between requests (each offloaded request keeps its own rows; a prefix it matched in the
 radix tree stays on the device, owned by the tree).
@@ -40,10 +46,12 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
+from http import HTTPStatus
 from typing import Any
 
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -51,7 +59,15 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 from vericache_sglang.core.compress import Observation, parse_spec
-from vericache_sglang.sglang.acceptance import greedy_verdicts, pack
+from vericache_sglang.core.sampling import Sampler
+from vericache_sglang.sglang.acceptance import (
+    UnsupportedSampling,
+    core_sampling,
+    draft_tokens,
+    greedy_verdicts,
+    pack,
+    sampled_verdicts,
+)
 from vericache_sglang.sglang.attention import RUNNER_ATTR, create_draft_backend
 from vericache_sglang.sglang.draft_pool import CompressedDraftPool
 from vericache_sglang.sglang.hooks import config_of
@@ -134,6 +150,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.draft_backend: Any = None
         self.store: Any = None
         self._requests: dict[str, Any] = {}  # rid -> RequestKV in the full-KV store
+        self._samplers: dict[str, Sampler] = {}  # rid -> the core's sampler for its draws
         self.host: Any = None  # HostOffload when full_kv=host
         self._host_bytes_seen = (0, 0)  # its byte totals already counted in the metrics
         self.metrics = None
@@ -190,8 +207,9 @@ class VeriCacheWorker(BaseSpecWorker):
     def forward_batch_generation(self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None) -> Any:
         if batch.forward_mode.is_idle():
             raise NotImplementedError("VERICACHE does not run idle batches (no data parallel attention)")
-        if batch.has_grammar or batch.return_logprob or not batch.sampling_info.is_all_greedy:
-            raise NotImplementedError("the VERICACHE worker serves greedy requests without grammar or logprobs")
+        if batch.forward_mode == ForwardMode.DECODE and (batch.has_grammar or batch.return_logprob):
+            # _prefill aborts such requests, so none reaches a decode step
+            raise RuntimeError("a VERICACHE decode batch holds a request with a grammar or logprobs")
         if batch.forward_mode == ForwardMode.EXTEND:
             return self._prefill(batch, on_publish)
         if batch.forward_mode == ForwardMode.DECODE:
@@ -211,6 +229,11 @@ class VeriCacheWorker(BaseSpecWorker):
             if seq_len < len(req.origin_input_ids):
                 continue  # a chunk of a chunked prefill: compress once the whole prompt has KV
             self._forget(req.rid)  # a retracted request prefills again from scratch
+            why = self._unservable(req)
+            if why:
+                # its first token (SGLang's own full-KV sample) is emitted, then it ends with the reason
+                req.to_finish = FINISH_ABORT(f"VeriCache: {why}", HTTPStatus.BAD_REQUEST, "BadRequestError")
+                continue
             slots = req_to_token[req.kv.req_pool_idx, :seq_len].to(torch.int64)
             full = read_full_kv(self.model_runner.token_to_kv_pool, slots, self.layout)
             kv = self.compressor.compress(full, self._capture.observation(offset - ext, offset))
@@ -227,6 +250,19 @@ class VeriCacheWorker(BaseSpecWorker):
             on_publish(result.new_seq_lens)
         return result
 
+    def _unservable(self, req: Any) -> str:
+        """Why the worker cannot verify ``req`` (empty when it can); records its sampler."""
+        if req.grammar is not None:
+            return "constrained decoding (a grammar) is not verified by the VERICACHE worker"
+        if req.return_logprob:
+            return "the VERICACHE worker does not return logprobs"
+        try:
+            params = core_sampling(req.sampling_params, req.rid)
+        except UnsupportedSampling as e:
+            return str(e)
+        self._samplers[req.rid] = Sampler(params)
+        return ""
+
     @contextlib.contextmanager
     def _drafting(self, fb: ForwardBatch):
         saved = self.model_runner.attn_backend
@@ -237,27 +273,32 @@ class VeriCacheWorker(BaseSpecWorker):
         finally:
             self.model_runner.attn_backend = saved
 
-    def _draft(self, batch: Any, seeds: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
+    def _draft(self, batch: Any, seeds: torch.Tensor, committed: torch.Tensor,
+               samplers: list[Sampler]) -> tuple[torch.Tensor, list[list[torch.Tensor | None]]]:
+        """``horizon`` draft passes; returns the drafts ``[bs, x]`` and, per pass, each request's
+        draft distribution (kept for rejection sampling only)."""
         rids = [r.rid for r in batch.reqs]
         rows = torch.tensor([self.draft_pool.row_index(r) for r in rids], dtype=torch.int64, device=self.device)
         kept = torch.tensor([self.draft_pool.kept_len(r) for r in rids], dtype=torch.int64, device=self.device)
         scratch = torch.stack([self.draft_pool.scratch_slots(r) for r in rids]).to(self.device)
-        tokens, drafts = seeds, []
+        rejection = self.cfg.verification == "rejection"
+        tokens, drafts, probs = seeds, [], []
         for j in range(self.horizon):
             seq_lens = (kept + j + 1).to(torch.int32)
             fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(rids), input_ids=tokens,
                               req_pool_indices=rows, seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(),
                               seq_lens_sum=int(seq_lens.sum()), out_cache_loc=scratch[:, j],
                               positions=committed + j, capture_hidden_mode=CaptureHiddenMode.NULL)
-            tokens = self._draft_pass(fb) if self.host is None else self.host.draft_pass(partial(self._draft_pass, fb))
+            logits = self._draft_pass(fb) if self.host is None else self.host.draft_pass(partial(self._draft_pass, fb))
+            tokens, q = draft_tokens(logits, samplers, (committed + j + 1).tolist(), rejection)
             drafts.append(tokens)
-        return torch.stack(drafts, dim=1)
+            probs.append(q)
+        return torch.stack(drafts, dim=1), probs
 
     def _draft_pass(self, fb: ForwardBatch) -> torch.Tensor:
         with self._drafting(fb):
             self.draft_backend.init_forward_metadata(fb)
-            logits = self.model_runner.forward(fb).logits_output.next_token_logits
-        return logits.argmax(-1)
+            return self.model_runner.forward(fb).logits_output.next_token_logits
 
     def _decode(self, batch: Any, on_publish: Any) -> Any:
         started = time.perf_counter()
@@ -265,7 +306,8 @@ class VeriCacheWorker(BaseSpecWorker):
         committed = batch.seq_lens.to(torch.int64)
         if self.host is not None:
             self.host.plan(batch.reqs)
-        drafts = self._draft(batch, seeds, committed)
+        samplers = [self._samplers[req.rid] for req in batch.reqs]
+        drafts, draft_probs = self._draft(batch, seeds, committed, samplers)
         bs, width = len(batch.reqs), self.horizon + 1
         chain = torch.cat([seeds[:, None], drafts], dim=1)  # [bs, x + 1]
         positions = committed[:, None] + torch.arange(width, device=self.device)[None]
@@ -279,8 +321,12 @@ class VeriCacheWorker(BaseSpecWorker):
             logits = verify(torch.arange(bs))
         else:
             logits = self.host.verify(batch.reqs, verify, width)
-        target = logits.argmax(-1).view(bs, width)
-        packed = pack(greedy_verdicts(drafts, target), width, committed)
+        if all(sampler.params.greedy for sampler in samplers):
+            verdicts = greedy_verdicts(drafts, logits.argmax(-1).view(bs, width))
+        else:
+            verdicts = sampled_verdicts(drafts, draft_probs, logits.view(bs, width, -1), committed.tolist(), samplers,
+                                        rejection=self.cfg.verification == "rejection")
+        packed = pack(verdicts, width, committed)
         self._commit(batch, packed, chain, committed, slots)
         if self.metrics is not None:
             self.metrics.verified([v.accepted for v in packed.verdicts], self.horizon, time.perf_counter() - started)
@@ -360,6 +406,7 @@ class VeriCacheWorker(BaseSpecWorker):
         """Drop what the worker keeps for ``rid`` (it finished, left, or prefills again)."""
         if self.draft_pool is not None:
             self.draft_pool.release(rid)
+        self._samplers.pop(rid, None)
         handle = self._requests.pop(rid, None)
         if handle is not None:
             handle.release()
