@@ -8,9 +8,11 @@
 #   1. the reference: stock SGLang greedy decoding with --enable-deterministic-inference (triton
 #      attention, batch-invariant ops), on the project's three real prompts;
 #   2. the same server with --enable-vericache (compressed-KV drafting, TARGET_VERIFY on the full
-#      KV) and the same deterministic flags;
-#   3. compares the outputs token by token (exactness: every token identical) and reports
-#      throughput of both, side by side in one run.
+#      KV) and the same deterministic flags, the full KV kept on the GPU (full_kv=device);
+#   3. again with full_kv=host: each request's own KV in SGLang's host pool between
+#      verifications, reloaded per layer for them (--page-size 1);
+#   4. compares the outputs token by token with the reference (exactness: every token identical)
+#      and reports the time of each, side by side in one run.
 #
 # Usage: benchmarks/sglang_gpu.sh [MODEL_PATH] [OUT_DIR]
 set -euo pipefail
@@ -25,6 +27,7 @@ command -v nvidia-smi >/dev/null || { echo "sglang_gpu.sh: needs a CUDA GPU" >&2
 COMMON=(--model-path "$MODEL" --enable-deterministic-inference --attention-backend triton
         --cuda-graph-backend-decode disabled --disable-overlap-schedule --mem-fraction-static 0.6)
 VC_CONFIG='{"compressor": "snapkv:ratio=0.125", "horizon": 16, "full_kv": "device"}'
+VC_HOST_CONFIG='{"compressor": "snapkv:ratio=0.125", "horizon": 16, "full_kv": "host", "reload_room": 0.25}'
 
 serve() {  # name port extra-args...
   local name=$1 port=$2; shift 2
@@ -64,18 +67,27 @@ stop reference
 serve vericache 30101 --enable-vericache --vericache-config "$VC_CONFIG"
 run_prompts vericache 30101
 stop vericache
+serve vericache_host 30102 --enable-vericache --page-size 1 --vericache-config "$VC_HOST_CONFIG"
+run_prompts vericache_host 30102
+stop vericache_host
 
 "$PY" - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-ref, vc = (json.loads((out / f"{n}.json").read_text()) for n in ("reference", "vericache"))
-lines = ["| prompt | identical | first difference | reference s | vericache s |", "|---|---|---:|---:|---:|"]
-for r, v in zip(ref, vc):
-    a, b = r["output_ids"] or r["text"], v["output_ids"] or v["text"]
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-    lines.append(f"| {r['prompt']} | {first is None} | {'-' if first is None else first} | "
-                 f"{r['seconds']:.2f} | {v['seconds']:.2f} |")
+runs = ("vericache", "vericache_host")
+ref = json.loads((out / "reference.json").read_text())
+got = {n: json.loads((out / f"{n}.json").read_text()) for n in runs}
+lines = ["| prompt | reference s | " + " | ".join(f"{n} identical | first difference | {n} s" for n in runs) + " |",
+         "|---|---:|" + "---|---:|---:|" * len(runs)]
+for i, r in enumerate(ref):
+    cells = [r["prompt"], f"{r['seconds']:.2f}"]
+    for n in runs:
+        v = got[n][i]
+        a, b = r["output_ids"] or r["text"], v["output_ids"] or v["text"]
+        first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+        cells += [str(first is None), "-" if first is None else str(first), f"{v['seconds']:.2f}"]
+    lines.append("| " + " | ".join(cells) + " |")
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

@@ -28,7 +28,8 @@ Per decode step, for every running request (one synchronous step; overlap schedu
 
 Sampled requests (temperature, top_k, top_p, a seed) draw drafts and verification with the core's
 position-keyed sampler (``acceptance``): with ``verification: "greedy"`` the verifier's own draw at
-each position decides (exactly what the core's full-KV sampling draws there); with
+each position decides (exactly what the core's full-KV sampling draws there; the first token is
+SGLang's own sample at prefill, also from the full KV); with
 ``"rejection"``, speculative rejection sampling (lossless in distribution). Requests the worker
 cannot verify (penalties, min_p, logit_bias, a grammar, logprobs) end after their first token
 (SGLang's own full-KV sample) with the reason.
