@@ -52,8 +52,6 @@ class VeriCacheConfig:
     full_kv: str = "store"
     store: str = "memory://"  # full-KV store URL (remote_store.open_store)
     verification: str = "greedy"
-    stagger_window: int = 4  # verifications whose fetches may be in flight at once
-    max_verifies_per_step: int = 0  # 0: no cap
     reload_room: float = 0.25  # full_kv=host: share of the KV pool held for reloads
     host_pool_ratio: float = 4.0  # full_kv=host: host pool tokens per device pool token
 
@@ -74,17 +72,10 @@ class VeriCacheConfig:
             raise VeriCacheConfigError(f"vericache-config compressor {compressor.spec!r}: {why}; the SGLang worker "
                                        f"supports {', '.join(sglang_compressors())}")
         object.__setattr__(self, "compressor", compressor.spec)
-        for name in ("horizon", "stagger_window", "max_verifies_per_step"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise VeriCacheConfigError(f"vericache-config {name} must be an integer, got {value!r}")
+        if isinstance(self.horizon, bool) or not isinstance(self.horizon, int):
+            raise VeriCacheConfigError(f"vericache-config horizon must be an integer, got {self.horizon!r}")
         if not 1 <= self.horizon <= MAX_HORIZON:
             raise VeriCacheConfigError(f"vericache-config horizon must be in [1, {MAX_HORIZON}], got {self.horizon}")
-        if self.stagger_window < 1:
-            raise VeriCacheConfigError(f"vericache-config stagger_window must be >= 1, got {self.stagger_window}")
-        if self.max_verifies_per_step < 0:
-            raise VeriCacheConfigError(
-                f"vericache-config max_verifies_per_step must be >= 0, got {self.max_verifies_per_step}")
         for name, lo, hi in (("reload_room", 0.0, 1.0), ("host_pool_ratio", 0.0, float("inf"))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not lo < value < hi:

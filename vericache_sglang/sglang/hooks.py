@@ -31,8 +31,7 @@ def add_cli_args_hook(result: Any, parser: argparse.ArgumentParser) -> Any:
     group.add_argument(
         "--vericache-config", type=str, default=None,
         help="JSON object (or @file): compressor, horizon, full_kv (device|store|host), store URL, "
-             "verification (greedy|rejection), stagger_window, max_verifies_per_step, reload_room, "
-             "host_pool_ratio.")
+             "verification (greedy|rejection), reload_room and host_pool_ratio (full_kv=host).")
     return result
 
 

@@ -77,8 +77,6 @@ class VeriCacheRadixCache(RadixCache):
     def copy_count(self) -> int:
         return len(self._copies)
 
-    # -- keeping copies and tree together ------------------------------------------------------
-
     # -- rows of offloaded requests (offload.py) -----------------------------------------------
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
@@ -95,6 +93,8 @@ class VeriCacheRadixCache(RadixCache):
         ledger = offload_for(self.token_to_kv_pool_allocator)
         if ledger is not None:
             ledger.release(req.rid)
+
+    # -- keeping copies and tree together ------------------------------------------------------
 
     def _delete_leaf(self, node: TreeNode) -> None:
         super()._delete_leaf(node)
