@@ -283,6 +283,7 @@ class VeriCacheWorker(BaseSpecWorker):
         kept = torch.tensor([self.draft_pool.kept_len(r) for r in rids], dtype=torch.int64, device=self.device)
         scratch = torch.stack([self.draft_pool.scratch_slots(r) for r in rids]).to(self.device)
         rejection = self.cfg.verification == "rejection"
+        seed_positions = committed.tolist()  # once: a per-pass .tolist() would sync the device each pass
         tokens, drafts, probs = seeds, [], []
         for j in range(self.horizon):
             seq_lens = (kept + j + 1).to(torch.int32)
@@ -291,7 +292,7 @@ class VeriCacheWorker(BaseSpecWorker):
                               seq_lens_sum=int(seq_lens.sum()), out_cache_loc=scratch[:, j],
                               positions=committed + j, capture_hidden_mode=CaptureHiddenMode.NULL)
             logits = self._draft_pass(fb) if self.host is None else self.host.draft_pass(partial(self._draft_pass, fb))
-            tokens, q = draft_tokens(logits, samplers, (committed + j + 1).tolist(), rejection)
+            tokens, q = draft_tokens(logits, samplers, [p + j + 1 for p in seed_positions], rejection)
             drafts.append(tokens)
             probs.append(q)
         return torch.stack(drafts, dim=1), probs
