@@ -137,6 +137,20 @@ def _grouped_reading(s: Setup, reqs: list[Req], groups: list[list[int]]):
     return verify
 
 
+def _plan_and_draft(host: HostOffload, reqs: list[Req]) -> None:
+    """One step's plan and its ``horizon`` draft passes (each an iteration of the plan)."""
+    host.plan(reqs)
+    for _ in range(host.horizon):
+        host.draft_pass(lambda: torch.zeros(1))
+
+
+def _verified_exactly(host: HostOffload, s: Setup, req: Req) -> bool:
+    """The step's verification of ``req`` alone: whether its one pass read exactly its full KV."""
+    seen: list[bool] = []
+    host.verify([req], _verify_reading(s, req, seen), width=5)
+    return seen == [True]
+
+
 def _finish(req: Req) -> None:
     req.finished_reason = FINISH_LENGTH(len(req.output_ids))
     req.finished_len = len(req.output_ids)
@@ -153,13 +167,9 @@ def test_a_request_decodes_with_its_rows_on_the_host_and_sglang_frees_them_once(
     assert bool((row[:60] == PAD_SLOT).all())  # the device holds none of it
     assert s.alloc.available_size() == total - host.arena_slots  # its 60 slots back, the arena taken
     for step in range(3):
-        host.plan([req])
-        for _ in range(host.horizon):
-            host.draft_pass(lambda: torch.zeros(1))  # a draft pass: one iteration of the plan
+        _plan_and_draft(host, [req])
         assert "a" in host.reloads.inflight  # its reload started while drafting ran
-        seen: list[bool] = []
-        host.verify([req], _verify_reading(s, req, seen), width=5)
-        assert seen == [True], f"step {step}: the verify pass did not read the exact full KV"
+        assert _verified_exactly(host, s, req), f"step {step}: the verify pass did not read the exact full KV"
         assert bool((row[: req.kv.kv_committed_len] == PAD_SLOT).all())  # lent slots returned
         assert host.arena.available_size() == host.arena_slots
         s.extend(req, 3)  # the verify pass committed 3 tokens
@@ -186,12 +196,8 @@ def test_a_matched_prefix_stays_with_the_tree_and_only_the_requests_own_rows_mov
     s.kv["_prefix"] = [t.clone() for t in s.kv["first"]]
     req = s.request("b", prompt, prefix=20)
     assert host.offload(req, 48) == 28  # only [20, 48): the prefix is the tree's
-    host.plan([req])
-    for _ in range(host.horizon):
-        host.draft_pass(lambda: torch.zeros(1))
-    seen: list[bool] = []
-    host.verify([req], _verify_reading(s, req, seen), width=5)
-    assert seen == [True]
+    _plan_and_draft(host, [req])
+    assert _verified_exactly(host, s, req)
     _finish(req)
     release_kv_cache(req, s.cache, checkpoint=True)
     s.rows.free(first)  # the tree owns its 20 slots
@@ -209,9 +215,7 @@ def test_groups_verify_one_after_another_in_the_reload_room():
     for req in reqs:
         host.offload(req, 60)
     for step in range(3):
-        host.plan(reqs)
-        for _ in range(host.horizon):
-            host.draft_pass(lambda: torch.zeros(1))
+        _plan_and_draft(host, reqs)
         groups: list[list[int]] = []
         logits = host.verify(reqs, _grouped_reading(s, reqs, groups), width=5)
         assert sorted(i for g in groups for i in g) == list(range(6)) and len(groups) >= 3
@@ -234,12 +238,8 @@ def test_a_request_larger_than_the_reload_room_keeps_its_tail_on_the_device():
     assert host.offload(req, 80) == host.arena_slots
     row = s.rows.req_to_token[req.kv.req_pool_idx]
     assert bool((row[: host.arena_slots] == PAD_SLOT).all()) and bool((row[host.arena_slots:80] != PAD_SLOT).all())
-    host.plan([req])
-    for _ in range(host.horizon):
-        host.draft_pass(lambda: torch.zeros(1))
-    seen: list[bool] = []
-    host.verify([req], _verify_reading(s, req, seen), width=5)
-    assert seen == [True]
+    _plan_and_draft(host, [req])
+    assert _verified_exactly(host, s, req)
 
 
 def test_the_ledger_refuses_what_would_lose_kv():
