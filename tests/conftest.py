@@ -128,3 +128,26 @@ def backend_url(request):
         return "memory://"
     return request.getfixturevalue({"redis": "redis_url", "grpc": "store_url", "lmcache": "lmcache_url"}[
         request.param])
+
+
+@pytest.fixture(scope="session")
+def sglang_logs(tmp_path_factory):
+    """Where the SGLang server processes of the session write their logs."""
+    return tmp_path_factory.mktemp("sglang")
+
+
+@pytest.fixture(scope="session")
+def stock_server(sglang_logs):
+    """Stock SGLang 0.5.23 on this CPU (no plugin flag): the reference every VeriCache server is held to.
+
+    It schedules as a VeriCache server does, without overlap (``--enable-vericache`` implies
+    ``--disable-overlap-schedule``, as every speculative algorithm without overlap support): with
+    overlap, SGLang applies frequency/presence penalties one token late (its decode preparation
+    reads a request's output before the previous step's token lands), so a penalised request's
+    text depends on the scheduling mode, not on the KV."""
+    pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
+    from sglang_server import SGLangServer
+
+    server = SGLangServer(sglang_logs, "stock", "--disable-overlap-schedule")
+    yield server
+    server.stop()

@@ -13,7 +13,7 @@ pytest.importorskip("sglang.srt.mem_cache.memory_pool", reason="sglang is not in
 
 from vericache_sglang.core.accept import greedy_accept
 from vericache_sglang.core.compress import parse_spec
-from vericache_sglang.sglang.acceptance import greedy_verdicts, pack
+from vericache_sglang.sglang.acceptance import pack
 from vericache_sglang.sglang.draft_pool import CompressedDraftPool, DraftPoolFull
 from vericache_sglang.sglang.pool_kv import read_full_kv
 
@@ -98,8 +98,7 @@ def test_a_full_pool_refuses_cleanly_and_keeps_no_half_row(real_engine, prefills
 def test_packed_verdicts_are_the_core_decisions():
     drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 2, 3]])
     target = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [4, 2, 3, 0]])
-    verdicts = greedy_verdicts(drafts, target)
-    assert verdicts == [greedy_accept(d, t) for d, t in zip(drafts.tolist(), target.tolist(), strict=True)]
+    verdicts = [greedy_accept(d, t) for d, t in zip(drafts.tolist(), target.tolist(), strict=True)]
     packed = pack(verdicts, 4, torch.tensor([100, 200, 300]))
     assert packed.accept_lens.tolist() == [4, 2, 1]
     assert packed.output_ids.tolist() == [[5, 6, 7, 8], [5, 9, 0, 0], [4, 0, 0, 0]]

@@ -1,7 +1,7 @@
 """The plugin's metrics through SGLang's own multiprocess /metrics: a scheduler-side process records
-real verdicts (the core's greedy acceptance on real logits-shaped tensors), and SGLang's
-``add_prometheus_middleware`` app, in another process as its HTTP server would be, serves them.
-The worker itself needs a GPU; this is what of its metrics path runs on CPU."""
+real verdicts (the core's greedy acceptance), and SGLang's ``add_prometheus_middleware`` app, in
+another process as its HTTP server would be, serves them, with exact counts. The live series of a
+real server: ``tests/test_sglang_e2e.py``."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ pytest.importorskip("sglang.srt.utils.common", reason="sglang is not installed (
 
 SCHEDULER = r"""
 import torch
-from vericache_sglang.sglang.acceptance import greedy_verdicts, pack
+from vericache_sglang.core.accept import greedy_accept
+from vericache_sglang.sglang.acceptance import pack
 from vericache_sglang.sglang.metrics import WorkerMetrics
 
 m = WorkerMetrics({"model_name": "smollm2", "tp_rank": "0"})
 drafts = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
 target = torch.tensor([[5, 6, 9, 0, 0], [1, 2, 3, 4, 11]])  # request 0 accepts 2, request 1 all 4
-packed = pack(greedy_verdicts(drafts, target), 5, torch.tensor([10, 20]))
+verdicts = [greedy_accept(d, t) for d, t in zip(drafts.tolist(), target.tolist())]
+packed = pack(verdicts, 5, torch.tensor([10, 20]))
 m.verified([v.accepted for v in packed.verdicts], 4, 0.03)
 m.full_kv_written.inc(4096)
 m.compressed_kv.set(1000)

@@ -1,10 +1,9 @@
-"""Sampled requests in the SGLang worker: SGLang's request settings mapped onto the core's sampler,
-and the worker's drafting and acceptance glue (``acceptance.py``) deciding what the core decides.
-
-The worker's forward passes need a GPU with sglang (unverified); the decisions they feed are
-checked here on logits: with ``verification: "greedy"`` a sampled request commits the verifier's
-own position-keyed draws (what the core's full-KV sampling draws there), and with ``"rejection"``
-the first committed token is distributed as the verifier's distribution.
+"""Sampled requests in the SGLang worker: SGLang's request settings mapped onto the core's sampler
+(``request_plan``), and the worker's drafting and acceptance glue (``acceptance``) deciding what the
+core decides, checked on logits: with ``verification: "greedy"`` a sampled request commits the
+verifier's own position-keyed draws (what the core's full-KV sampling draws there), and with
+``"rejection"`` the first committed token is distributed as the verifier's distribution. The
+whole path in real servers: ``tests/test_sglang_e2e.py``.
 """
 
 from __future__ import annotations
@@ -18,15 +17,10 @@ pytest.importorskip("sglang.srt.sampling.sampling_params", reason="sglang is not
 
 from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
 
-from vericache_sglang.core.accept import rejection_accept
+from vericache_sglang.core.accept import greedy_accept, rejection_accept
 from vericache_sglang.core.sampling import Sampler, SamplingParams
-from vericache_sglang.sglang.acceptance import (
-    UnsupportedSampling,
-    core_sampling,
-    draft_tokens,
-    greedy_verdicts,
-    sampled_verdicts,
-)
+from vericache_sglang.sglang.acceptance import draws, verdict
+from vericache_sglang.sglang.request_plan import core_sampling, own_settings
 
 
 def test_sglang_settings_map_onto_the_core_sampler():
@@ -36,12 +30,23 @@ def test_sglang_settings_map_onto_the_core_sampler():
     assert core_sampling(SGLangSamplingParams(temperature=1.0, top_k=40, sampling_seed=1), "a").top_k == 40
     unseeded = core_sampling(SGLangSamplingParams(temperature=1.0), "req-17")
     assert unseeded.seed == zlib.crc32(b"req-17") == core_sampling(SGLangSamplingParams(temperature=1.0), "req-17").seed
-    with pytest.raises(UnsupportedSampling, match="frequency_penalty, repetition_penalty"):
-        core_sampling(SGLangSamplingParams(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.1), "a")
-    with pytest.raises(UnsupportedSampling, match="min_p"):
-        core_sampling(SGLangSamplingParams(temperature=1.0, min_p=0.05), "a")
-    with pytest.raises(UnsupportedSampling, match="logit_bias"):
-        core_sampling(SGLangSamplingParams(temperature=1.0, logit_bias={"5": 1.0}), "a")
+
+
+
+class _Req:
+    def __init__(self, **params):
+        self.sampling_params = SGLangSamplingParams(**params)
+        self.return_logprob = False
+        self.custom_logit_processor = None
+
+
+def test_settings_only_sglangs_sampler_applies_make_a_request_its_own():
+    assert own_settings(_Req(temperature=0.7, top_p=0.9, sampling_seed=1)) == ()
+    assert own_settings(_Req(temperature=0.0)) == ()
+    assert own_settings(_Req(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.1)) == (
+        "frequency_penalty", "repetition_penalty")
+    assert own_settings(_Req(min_p=0.05)) == ("min_p",)
+    assert own_settings(_Req(min_new_tokens=3, logit_bias={"5": 1.0})) == ("min_new_tokens", "logit_bias")
 
 
 def _logits(bs: int, x: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,16 +68,17 @@ def test_sampled_requests_commit_the_verifiers_own_draws():
     accepted_some = 0
     for trial in range(20):
         target, drafter = _logits(bs, x, vocab, trial)
-        drafts = torch.stack([draft_tokens(drafter[:, j], samplers, [c + 1 + j for c in committed], False)[0]
+        drafts = torch.stack([draws(drafter[:, j], samplers, [c + 1 + j for c in committed], False)[0]
                               for j in range(x)], dim=1)
-        verdicts = sampled_verdicts(drafts, [], target, committed, samplers, rejection=False)
+        verdicts = [verdict(drafts[i].tolist(), [], target[i], committed[i], samplers[i], rejection=False)
+                    for i in range(bs)]
         for i, (v, sampler) in enumerate(zip(verdicts, samplers, strict=True)):
             own = sampler.sample(target[i], [committed[i] + 1 + k for k in range(x + 1)]).tolist()
             assert v.tokens == own[: v.accepted + 1]
             assert v.tokens[: v.accepted] == drafts[i, : v.accepted].tolist()
             accepted_some += v.accepted
-        # the greedy request decides as greedy_verdicts does
-        assert verdicts[0] == greedy_verdicts(drafts[:1], target[:1].argmax(-1))[0]
+        # the greedy request decides on the argmax
+        assert verdicts[0] == greedy_accept(drafts[0].tolist(), target[0].argmax(-1).tolist())
     assert accepted_some > 0  # the drafter agreed often enough for the check to mean something
 
 
@@ -84,11 +90,11 @@ def test_rejection_glue_is_the_cores_rejection_sampling_and_keeps_the_verifiers_
     counts = torch.zeros(vocab)
     for seed in range(trials):
         sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
-        token, q = draft_tokens(drafter[:, 0], [sampler], [11], rejection=True)
-        (verdict,) = sampled_verdicts(token[:, None], [q], target, [10], [sampler], rejection=True)
+        token, q = draws(drafter[:, 0], [sampler], [11], rejection=True)
+        decided = verdict(token.tolist(), [q[0]], target[0], 10, sampler, rejection=True)
         direct = rejection_accept(token.tolist(), torch.stack([q[0]]), sampler.probs(target[0]), [11, 12], sampler)
-        assert verdict == direct
-        counts[verdict.tokens[0]] += 1
+        assert decided == direct
+        counts[decided.tokens[0]] += 1
     expected = Sampler(SamplingParams(temperature=1.0)).probs(target[0, 0])
     total_variation = 0.5 * float((counts / trials - expected).abs().sum())
     assert total_variation < 0.04, (counts / trials, expected)

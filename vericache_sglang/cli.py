@@ -145,7 +145,8 @@ def cmd_model(args: argparse.Namespace) -> int:
     t = time.monotonic()
     path = prepare_smollm2(progress=True)
     loaded = load_model("smollm2", progress=False)
-    print(f"{loaded.model_id} ready at {path} (loaded in {time.monotonic() - t:.1f} s)")
+    print(f"{loaded.model_id} ready (loaded in {time.monotonic() - t:.1f} s)", file=sys.stderr)
+    print(path)  # alone on stdout: --model-path "$(vericache model)"
     return 0
 
 

@@ -96,6 +96,9 @@ class CompressedDraftPool:
 
     # -- what a draft pass reads ------------------------------------------------------------------
 
+    def has(self, rid: str) -> bool:
+        return rid in self.rows
+
     def row_index(self, rid: str) -> int:
         return self.rows[rid].index
 

@@ -47,17 +47,22 @@ class WorkerMetrics:
                                        "Full-KV bytes fetched from the store or the host tier", names).labels(**labels)
         self.link_wait = Counter("vericache_link_wait_seconds", "Time verifications waited for full-KV layers",
                                  names).labels(**labels)
+        self.prefix_copies_made = Counter("vericache_prefix_copies_made", "Compressed copies made of cached prefixes",
+                                          names).labels(**labels)
+        self.prefix_copy_hits = Counter("vericache_prefix_copy_hits", "Requests that drafted over a cached prefix's "
+                                        "existing compressed copy", names).labels(**labels)
         self.store_errors = Counter("vericache_store_errors", "Store operations that failed", names).labels(**labels)
         self.compressed_kv = Gauge("vericache_compressed_kv_bytes", "Compressed KV held for drafting", names,
                                    multiprocess_mode="livesum").labels(**labels)
         self.verify_seconds = Histogram("vericache_step_seconds", "Draft-and-verify step time", names,
                                         buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)).labels(**labels)
 
-    def verified(self, accepted: list[int], horizon: int, seconds: float) -> None:
-        """One draft-and-verify step: ``accepted[i]`` drafts accepted for request i (each commits one more)."""
-        self.verify_passes.inc(len(accepted))
+    def verified(self, accepted: list[int], horizon: int, seconds: float, undrafted: int = 0) -> None:
+        """One draft-and-verify step: ``accepted[i]`` drafts accepted for drafting request i (each
+        commits one more); ``undrafted`` requests verified one token without drafts."""
+        self.verify_passes.inc(len(accepted) + undrafted)
         self.drafted.inc(horizon * len(accepted))
-        self.generated.inc(sum(accepted) + len(accepted))
+        self.generated.inc(sum(accepted) + len(accepted) + undrafted)
         for a in accepted:
             self.accepted_length.observe(a + 1)
         self.verify_seconds.observe(seconds)

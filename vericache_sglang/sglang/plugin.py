@@ -37,14 +37,19 @@ def _register_attention_backend() -> None:
     )
 
     from vericache_sglang.sglang.attention import create_draft_backend
+    from vericache_sglang.sglang.chain_attention import NAME as CHAIN_BACKEND
+    from vericache_sglang.sglang.chain_attention import create_chain_verify_backend
 
     # Choices must be extended before ServerArgs.add_cli_args builds a parser.
-    if BACKEND not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([BACKEND])
+    for name in (BACKEND, CHAIN_BACKEND):
+        if name not in ATTENTION_BACKEND_CHOICES:
+            add_attention_backend_choices([name])
     if BACKEND not in DRAFT_ATTENTION_BACKEND_CHOICES:
         add_draft_attention_backend_choices([BACKEND])
     if BACKEND not in ATTENTION_BACKENDS:
         register_attention_backend(BACKEND)(create_draft_backend)
+    if CHAIN_BACKEND not in ATTENTION_BACKENDS:
+        register_attention_backend(CHAIN_BACKEND)(create_chain_verify_backend)
 
 
 def _register_spec_algorithm() -> None:

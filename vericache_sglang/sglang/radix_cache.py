@@ -7,12 +7,21 @@ lookup splits a node, the copy stays with the deeper half, whose path is unchang
 dropped the moment its node leaves the tree, so a lookup can only ever return the copy of a
 prefix that is still cached.
 
+Matching leaves the prompt's last ``OBS_WINDOW`` tokens to be computed again (SGLang's
+``swa_reprefill_tail_tokens`` extension point): the worker scores a prompt by its last queries
+(SnapKV's observation window), which a cached prefix does not keep. A request whose prompt
+continues a cached prefix drafts over the deepest copy on its matched path, with its own tokens
+after it folded in exactly; the first request without one makes it, for the matched prefix cut
+down to a multiple of ``COPY_GRAIN`` tokens (so requests whose questions differ in length still
+meet at the same node), scored by that request's queries, which follow the prefix.
+
 Requests whose full KV the worker offloads (``full_kv: "host"``) stay out of the tree; their rows
 are freed through ``free_kv_row``/``on_release``, which leave the offloaded positions alone.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +29,16 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixPara
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from vericache_sglang.core.kv import CompressedKV
+from vericache_sglang.sglang.draft_state import OBS_WINDOW
 from vericache_sglang.sglang.offload import offload_for
+
+_TREES: weakref.WeakValueDictionary[int, VeriCacheRadixCache] = weakref.WeakValueDictionary()
+
+
+def tree_for(allocator: Any) -> VeriCacheRadixCache | None:
+    """The vericache radix cache over the pool ``allocator`` serves (the worker's way to it)."""
+    tree = _TREES.get(id(allocator))
+    return tree if tree is not None and tree.token_to_kv_pool_allocator is allocator else None
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,13 @@ class VeriCacheRadixCache(RadixCache):
         self._copies: dict[int, tuple[TreeNode, CompressedPrefix]] = {}  # by node id
         self.compressed_bytes = 0
         self.copies_evicted = 0
+        if self.token_to_kv_pool_allocator is not None:
+            _TREES[id(self.token_to_kv_pool_allocator)] = self
+
+    def swa_reprefill_tail_tokens(self, req: Any = None) -> int:
+        """Tokens at the end of a prompt that are computed again even when cached: the worker's
+        observation window (the prompt's last queries, which the tree does not keep)."""
+        return OBS_WINDOW
 
     # -- compressed copies ------------------------------------------------------------------
 
@@ -73,6 +98,34 @@ class VeriCacheRadixCache(RadixCache):
                 return result, entry[1]
             node = node.parent
         return result, None
+
+    def copy_at(self, node: TreeNode) -> CompressedPrefix | None:
+        """The copy attached to ``node`` itself (not to an ancestor)."""
+        entry = self._copies.get(node.id)
+        return entry[1] if entry is not None and entry[0] is node else None
+
+    def nearest_copy(self, node: TreeNode) -> CompressedPrefix | None:
+        """The copy of the longest prefix on ``node``'s path from the root that has one."""
+        while node is not None and node is not self.root_node:
+            copy = self.copy_at(node)
+            if copy is not None:
+                return copy
+            node = node.parent
+        return None
+
+    def node_at(self, req: Any, length: int) -> TreeNode:
+        """The node ending exactly ``length`` tokens into ``req``'s cached prompt (SGLang's match
+        splits a node there if needed); ``length`` must not exceed what is cached."""
+        key = RadixKey(token_ids=req.origin_input_ids, extra_key=req.extra_key, limit=length,
+                       cache_salt=req.cache_salt)
+        node = self.match_prefix(MatchPrefixParams(key=key)).last_device_node
+        if self._path_len(node) != length:
+            raise ValueError(f"the tree holds {self._path_len(node)} tokens of this prompt, not {length}")
+        return node
+
+    def path_len(self, node: TreeNode) -> int:
+        """Tokens from the root to the end of ``node``."""
+        return self._path_len(node)
 
     def copy_count(self) -> int:
         return len(self._copies)

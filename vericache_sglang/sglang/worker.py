@@ -1,43 +1,35 @@
 """The ``VERICACHE`` speculative worker: draft with the target model over the compressed pool,
 verify with one TARGET_VERIFY pass over the full KV, commit what the core's acceptance decides.
 
-UNVERIFIED: this module needs a CUDA GPU with sglang installed to run, and this project's
-machines have neither together (the CPU machines cannot run SGLang models; the lent GPU machines
-have no sglang). What does run on CPU, against SGLang's own objects, is tested: the private pool
-(``draft_pool``), the pool/KV bridge (``pool_kv``), the acceptance (``acceptance``, checked against
-SGLang's verification kernel), the registration and flags. ``benchmarks/sglang_gpu.sh`` is the
-check an operator with a GPU runs first.
+SGLang's scheduler calls ``forward_batch_generation`` once per step (overlap scheduling is off:
+the step is synchronous). A prefill (EXTEND) runs the target model as is, captures each prompt's
+last queries for the scoring compressors, compresses the prompt's exact KV into the private draft
+pool and plans the request (``request_plan``). A decode step, for every running request:
 
-Per decode step, for every running request (one synchronous step; overlap scheduling is off):
+1. ``horizon`` draft passes over ``CompressedDraftPool`` through the private draft backend
+   (``ForwardContext`` override, UNO's pattern), one token per drafting request each; drafted K/V
+   goes to scratch slots. A grammar masks each draft (``grammar_masks``).
+2. One verify pass over the target pool (``forward``: TARGET_VERIFY, in the representation the
+   attention backend reads), writing the chain's exact K/V at the slots SGLang reserved. With
+   ``full_kv=host`` (``host_offload``) the requests' own KV is off the device between
+   verifications: the draft passes are iterations of the core's staggered scheduler, reloads start
+   during them, and the verify pass runs per group, each reload lent to its request's row.
+3. The core decides per request (``core.accept``: greedy, or its position-keyed sampler; the same
+   grammar masks on the full-KV logits). Requests whose settings only SGLang's sampler applies
+   ("own" in ``request_plan``) take SGLang's own sample at their seed position instead: one
+   verified token per step, exactly a stock decode step's choice.
+4. The committed tokens' exact K/V (read back from the target pool) goes into the compressed KV
+   through the compressor's ``update``, to the store (``full_kv=store``) and, with
+   ``full_kv=host``, to the host tier, its device slots freed. The correction or bonus token is the
+   next seed (no K/V yet), as in SGLang's own spec-v2 convention.
 
-1. ``horizon`` draft passes, each one token per request, through the private draft backend
-   (``ForwardContext`` override, UNO's pattern) over ``CompressedDraftPool``; drafted K/V goes to
-   scratch slots.
-2. One TARGET_VERIFY pass over the target pool: the seed and the drafts as a chain (causal; an
-   ``NgramVerifyInput`` with no tree), writing their exact K/V at the slots SGLang reserved.
-   With ``full_kv=host`` (``host_offload``), the requests' own KV is not on the device between
-   verifications: the draft passes are iterations of the core's staggered scheduler, reloads
-   start during them, and the verify pass runs per group of requests, each reload lent to its
-   request's row for its pass.
-3. The core decides (``greedy_accept``) over the whole batch; a chain needs no KV compaction: the
-   seed and accepted drafts are already the front of the reserved slots, the rest is overwritten
-   next step.
-4. The committed tokens' exact K/V (read back from the target pool) goes to the store (when
-   ``full_kv=store``), into the compressed KV through the compressor's ``update``, and with
-   ``full_kv=host`` to the host tier, its device slots freed.
+Tested on CPU in real SGLang server processes (``tests/test_sglang_server.py``: torch_native
+attention). On a GPU (flashinfer, triton, fa3) unverified: no machine here has a GPU with sglang;
+``benchmarks/sglang_gpu.sh`` is the check to run there.
 
-Sampled requests (temperature, top_k, top_p, a seed) draw drafts and verification with the core's
-position-keyed sampler (``acceptance``): with ``verification: "greedy"`` the verifier's own draw at
-each position decides (exactly what the core's full-KV sampling draws there; the first token is
-SGLang's own sample at prefill, also from the full KV); with
-``"rejection"``, speculative rejection sampling (lossless in distribution). Requests the worker
-cannot verify (penalties, min_p, logit_bias, a grammar, logprobs) end after their first token
-(SGLang's own full-KV sample) with the reason.
-
-Not done yet: with ``full_kv=host``, moving KV off the device asynchronously (the worker
-waits for each device-to-host copy before freeing the slots) and sharing a matched prefix's host
-copy between requests (each offloaded request keeps its own rows; a prefix it matched in the
-radix tree stays on the device, owned by the tree).
+Not done yet: with ``full_kv=host``, moving KV off the device asynchronously (the worker waits for
+each device-to-host copy before freeing the slots) and sharing a matched prefix's host copy between
+requests (each offloaded request keeps its own rows; a prefix it matched stays on the device).
 """
 
 from __future__ import annotations
@@ -45,88 +37,37 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from functools import partial
-from http import HTTPStatus
 from typing import Any
 
 import torch
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.managers.utils import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
-from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
-from vericache_sglang.core.compress import Observation, parse_spec
+from vericache_sglang.core.accept import Verdict
+from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.core.sampling import Sampler
-from vericache_sglang.sglang.acceptance import (
-    UnsupportedSampling,
-    core_sampling,
-    draft_tokens,
-    greedy_verdicts,
-    pack,
-    sampled_verdicts,
-)
+from vericache_sglang.sglang.acceptance import draws, pack, verdict
 from vericache_sglang.sglang.attention import RUNNER_ATTR, create_draft_backend
-from vericache_sglang.sglang.draft_pool import CompressedDraftPool
+from vericache_sglang.sglang.chain_attention import NAME as CHAIN_BACKEND
+from vericache_sglang.sglang.draft_pool import CompressedDraftPool, DraftPoolFull
+from vericache_sglang.sglang.draft_state import QueryCapture, VeriCacheDraftInput
+from vericache_sglang.sglang.forward import ForwardBuilder
+from vericache_sglang.sglang.grammar_masks import ChainMasks
 from vericache_sglang.sglang.hooks import config_of
 from vericache_sglang.sglang.metrics import WorkerMetrics, metrics_enabled
 from vericache_sglang.sglang.pool_kv import pool_layout, read_full_kv
+from vericache_sglang.sglang.radix_cache import CompressedPrefix, tree_for
+from vericache_sglang.sglang.request_plan import Plan, plan_request
+from vericache_sglang.sglang.step_output import step_output
 
 logger = logging.getLogger(__name__)
-OBS_WINDOW = 64  # prefill queries kept per request for scoring compressors (SnapKV)
-
-
-@dataclass
-class VeriCacheDraftInput(SpecInput):
-    """Carried between steps: each request's seed (last committed token, no KV yet)."""
-
-    seeds: torch.Tensor
-
-    def __post_init__(self) -> None:
-        super().__init__(SpecInputType.EAGLE_DRAFT)  # a closed enum: reuse the draft-state type
-        self.num_tokens_per_req = 1
-        self.num_tokens_for_logprob_per_req = 1
-
-    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: Any = None) -> None:
-        self.seeds = self.seeds[new_indices]
-
-    def merge_batch(self, other: VeriCacheDraftInput) -> None:
-        self.seeds = torch.cat([self.seeds, other.seeds])
-
-
-class _QueryCapture:
-    """Keeps the last OBS_WINDOW post-RoPE queries of each request during a prefill."""
-
-    def __init__(self, model: torch.nn.Module, head_dim: int):
-        from sglang.srt.layers.radix_attention import RadixAttention
-
-        self.layers = [m for m in model.modules() if isinstance(m, RadixAttention)]
-        self.head_dim = head_dim
-        self.queries: list[torch.Tensor | None] = [None] * len(self.layers)
-        self._handles: list[Any] = []
-
-    @contextlib.contextmanager
-    def capturing(self):
-        def hook(index: int):
-            def fn(module, args, kwargs):
-                q = args[0] if args else kwargs["q"]
-                self.queries[index] = q.detach()
-            return fn
-
-        self._handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(self.layers)]
-        try:
-            yield
-        finally:
-            for h in self._handles:
-                h.remove()
-
-    def observation(self, start: int, end: int) -> Observation:
-        lo = max(start, end - OBS_WINDOW)
-        return Observation([q[lo:end].view(end - lo, -1, self.head_dim).transpose(0, 1).float()
-                            for q in self.queries])
+MIN_SHARED_PREFIX = 256  # a cached prefix shorter than this is compressed with the prompt, not shared
+COPY_GRAIN = 256  # compressed copies end at multiples of this many tokens
 
 
 class VeriCacheWorker(BaseSpecWorker):
@@ -149,9 +90,10 @@ class VeriCacheWorker(BaseSpecWorker):
         self.topk = 1
         self.draft_pool: CompressedDraftPool | None = None
         self.draft_backend: Any = None
+        self.verify_backend: Any = None
         self.store: Any = None
         self._requests: dict[str, Any] = {}  # rid -> RequestKV in the full-KV store
-        self._samplers: dict[str, Sampler] = {}  # rid -> the core's sampler for its draws
+        self._plans: dict[str, Plan] = {}  # rid -> how the request is served
         self.host: Any = None  # HostOffload when full_kv=host
         self._host_bytes_seen = (0, 0)  # its byte totals already counted in the metrics
         self.metrics = None
@@ -174,16 +116,16 @@ class VeriCacheWorker(BaseSpecWorker):
                           token_to_kv_pool_allocator: Any = None) -> None:
         super().alloc_memory_pool(memory_pool_config=memory_pool_config, req_to_token_pool=req_to_token_pool,
                                   token_to_kv_pool_allocator=token_to_kv_pool_allocator)
-        target_pool = self.model_runner.token_to_kv_pool
-        model_id = str(self.model_runner.model_config.model_path)
-        self.layout = pool_layout(target_pool, model_id)
+        runner = self.model_runner
+        target_pool = runner.token_to_kv_pool
+        self.layout = pool_layout(target_pool, str(runner.model_config.model_path))
         # The compressed pool gets the share of the target pool the compressor's ratio implies.
         capacity = max(4096, int(target_pool.size * 0.5))
         self.draft_pool = CompressedDraftPool(
             layout=self.layout, capacity_tokens=capacity, max_requests=req_to_token_pool.size,
             max_context_len=req_to_token_pool.max_context_len, horizon=self.horizon, compressor=self.compressor,
-            device=str(self.device), inner_backend=self.model_runner.server_args.attention_backend or "triton")
-        setattr(self.model_runner, RUNNER_ATTR, self.draft_pool.pools)
+            device=str(self.device))
+        setattr(runner, RUNNER_ATTR, self.draft_pool.pools)
         if self.cfg.full_kv == "store":
             from remote_store import open_store
             from remote_store.fullkv import FullKVStore
@@ -192,179 +134,239 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.cfg.full_kv == "host":
             from vericache_sglang.sglang.host_offload import HostOffload
 
-            self.host = HostOffload(self.cfg, self.model_runner,
-                                    token_to_kv_pool_allocator or self.model_runner.token_to_kv_pool_allocator,
+            self.host = HostOffload(self.cfg, runner, token_to_kv_pool_allocator or runner.token_to_kv_pool_allocator,
                                     on_release=self._forget)
 
     def init_attention_backends(self) -> None:
-        self.draft_backend = create_draft_backend(self.model_runner)
-        self._capture = _QueryCapture(self.model_runner.model, self.model_runner.model_config.head_dim)
+        runner = self.model_runner
+        self.forwards = ForwardBuilder(runner, runner.prefill_attention_backend_str)
+        self.draft_pool.pools.inner_backend = runner.decode_attention_backend_str  # drafting is decoding
+        self.draft_backend = create_draft_backend(runner)
+        # the server's backend verifies where it reads SGLang's chain mask; torch_native cannot
+        if self.forwards.convention == "chain":
+            self.verify_backend = ATTENTION_BACKENDS[CHAIN_BACKEND](runner)
+        self._capture = QueryCapture(self.model_runner.model, self.model_runner.model_config.head_dim)
 
     def init_cuda_graphs(self) -> None:
         return None  # --enable-vericache disables decode CUDA graphs; nothing of ours is captured
 
     # -- one scheduler step ---------------------------------------------------------------------------
 
-    def forward_batch_generation(self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None) -> Any:
-        if batch.forward_mode.is_idle():
-            raise NotImplementedError("VERICACHE does not run idle batches (no data parallel attention)")
-        if batch.forward_mode == ForwardMode.DECODE and (batch.has_grammar or batch.return_logprob):
-            # _prefill aborts such requests, so none reaches a decode step
-            raise RuntimeError("a VERICACHE decode batch holds a request with a grammar or logprobs")
+    def forward_batch_generation(self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None,
+                                 pp_proxy_tensors: Any = None) -> Any:
+        if pp_proxy_tensors is not None:
+            raise RuntimeError("VERICACHE does not run with pipeline parallelism")
         if batch.forward_mode == ForwardMode.EXTEND:
             return self._prefill(batch, on_publish)
         if batch.forward_mode == ForwardMode.DECODE:
             return self._decode(batch, on_publish)
-        raise RuntimeError(f"VERICACHE expected an EXTEND or DECODE batch, got {batch.forward_mode}")
+        raise RuntimeError(f"VERICACHE runs EXTEND and DECODE batches, got {batch.forward_mode}")
 
     def _prefill(self, batch: Any, on_publish: Any) -> Any:
+        fb = self.forwards.prefill(batch)
         with self._capture.capturing():
-            result = self.target_worker.forward_batch_generation(batch)
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+            result = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+        # SGLang's sampler rewrites the logits in place (temperature, softmax): keep them for the core's draws
+        logits = result.logits_output.next_token_logits.clone()
+        next_ids = result.next_token_ids = self.model_runner.sample(result.logits_output, fb)
         offset = 0
-        for req, seq_len, ext in zip(batch.reqs, batch.seq_lens.tolist(), batch.extend_lens, strict=True):
+        for i, (req, seq_len, ext) in enumerate(zip(batch.reqs, batch.seq_lens.tolist(), batch.extend_lens,
+                                                    strict=True)):
             offset += ext
             if self.host is not None:
                 # before SGLang checkpoints the first chunk into the tree: the rows stay the request's
                 req.skip_radix_cache_insert = True
+            if seq_len - ext == 0 or req.rid not in self._capture.tails:
+                self._forget(req.rid)  # a new request, or a retracted one that prefills again from scratch
+            self._capture.keep(req.rid, offset - ext, offset)
             if seq_len < len(req.origin_input_ids):
                 continue  # a chunk of a chunked prefill: compress once the whole prompt has KV
-            self._forget(req.rid)  # a retracted request prefills again from scratch
-            why = self._unservable(req)
-            if why:
-                # its first token (SGLang's own full-KV sample) is emitted, then it ends with the reason
-                req.to_finish = FINISH_ABORT(f"VeriCache: {why}", HTTPStatus.BAD_REQUEST, "BadRequestError")
+            plan = self._plans[req.rid] = plan_request(req)
+            if plan.own:
+                self._capture.forget(req.rid)
+                logger.info("VeriCache: request %s is decoded one verified token per step (SGLang's sampler "
+                            "applies %s)", req.rid, ", ".join(plan.own))
                 continue
-            slots = req_to_token[req.kv.req_pool_idx, :seq_len].to(torch.int64)
-            full = read_full_kv(self.model_runner.token_to_kv_pool, slots, self.layout)
-            kv = self.compressor.compress(full, self._capture.observation(offset - ext, offset))
-            self.draft_pool.admit(req.rid, kv, seq_len)
+            if not plan.sampler.params.greedy:
+                # the first token is the core's draw at its position, as in full-KV sampling
+                token = plan.sampler.sample(logits[i : i + 1].float(), [seq_len])[0]
+                next_ids[i] = token.to(next_ids.dtype)
+                if req.return_logprob:
+                    row = torch.log_softmax(logits[i].float() / plan.sampler.params.temperature, dim=-1)
+                    result.logits_output.next_token_logprobs[i] = row[token]
+            full = self._admit(req, seq_len, ext)
             if self.store is not None:
                 handle = self.store.open_request(list(req.origin_input_ids), request_id=req.rid)
-                self._store_write(handle, 0, full)
-                self._requests[req.rid] = handle
+                if self._store_write(req.rid, handle, 0, full):
+                    self._requests[req.rid] = handle
             if self.host is not None:
                 self.host.offload(req, seq_len)
-        result.next_draft_input = VeriCacheDraftInput(seeds=result.next_token_ids.reshape(-1).to(torch.int64))
+        self._capture.clear()
+        result.next_draft_input = VeriCacheDraftInput(seeds=next_ids.reshape(-1).to(torch.int64))
         result.new_seq_lens = batch.seq_lens
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         return result
 
-    def _unservable(self, req: Any) -> str:
-        """Why the worker cannot verify ``req`` (empty when it can); records its sampler."""
-        if req.grammar is not None:
-            return "constrained decoding (a grammar) is not verified by the VERICACHE worker"
-        if req.return_logprob:
-            return "the VERICACHE worker does not return logprobs"
+    def _admit(self, req: Any, seq_len: int, ext: int) -> Any:
+        """Compress a prompt whose KV is complete into the request's draft row; returns its full KV.
+
+        A prompt that continues a cached prefix (matched in the tree, then computed in one extend)
+        drafts over the deepest compressed copy on its matched path, made now if there is none
+        (``radix_cache``), with its own tokens after it folded in exactly."""
+        slots = self.model_runner.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :seq_len].to(torch.int64)
+        full = read_full_kv(self.model_runner.token_to_kv_pool, slots, self.layout)
+        copy = self._prefix_copy(req, seq_len - ext, full)
+        if copy is None:
+            kv = self.compressor.compress(full, self._capture.observation(req.rid))
+        else:
+            kv = copy.kv.clone()
+            self.compressor.commit(kv, full.slice(copy.num_tokens, seq_len).layers,
+                                   torch.arange(copy.num_tokens, seq_len, device=self.device))
         try:
-            params = core_sampling(req.sampling_params, req.rid)
-        except UnsupportedSampling as e:
-            return str(e)
-        self._samplers[req.rid] = Sampler(params)
-        return ""
+            self.draft_pool.admit(req.rid, kv, seq_len)
+        except DraftPoolFull as e:
+            logger.warning("VeriCache: request %s has no draft row (%s); verified one token per step", req.rid, e)
+        return full
+
+    def _prefix_copy(self, req: Any, cached: int, full: Any) -> CompressedPrefix | None:
+        """The compressed copy of a cached prefix ``req`` continues (``cached`` tokens matched in
+        the tree), or None when it shares too little to draft from one."""
+        tree = tree_for(self.model_runner.token_to_kv_pool_allocator)
+        node = getattr(req, "last_node", None)
+        if tree is None or node is None or cached < MIN_SHARED_PREFIX or tree.path_len(node) != cached:
+            return None
+        copy = tree.nearest_copy(node)
+        if copy is not None:
+            self._capture.forget(req.rid)
+            self._count("prefix_copy_hits")
+            return copy
+        length = cached // COPY_GRAIN * COPY_GRAIN
+        if length < MIN_SHARED_PREFIX:
+            return None
+        copy = CompressedPrefix(length, self.compressor.compress(
+            full.slice(0, length), self._capture.observation(req.rid, follows=True)))
+        tree.attach_copy(tree.node_at(req, length), copy)
+        self._count("prefix_copies_made")
+        return copy
 
     @contextlib.contextmanager
-    def _drafting(self, fb: ForwardBatch):
+    def _using(self, backend: Any, fb: Any):
+        """Run a forward of ``fb`` through ``backend`` (None: the runner's own)."""
+        if backend is None:
+            yield
+            return
         saved = self.model_runner.attn_backend
-        self.model_runner.attn_backend = self.draft_backend
+        self.model_runner.attn_backend = backend
         try:
-            with forward_context(ForwardContext(attn_backend=self.draft_backend), forward_batch=fb):
+            with forward_context(ForwardContext(attn_backend=backend), forward_batch=fb):
                 yield
         finally:
             self.model_runner.attn_backend = saved
 
-    def _draft(self, batch: Any, seeds: torch.Tensor, committed: torch.Tensor,
-               samplers: list[Sampler]) -> tuple[torch.Tensor, list[list[torch.Tensor | None]]]:
-        """``horizon`` draft passes; returns the drafts ``[bs, x]`` and, per pass, each request's
-        draft distribution (kept for rejection sampling only)."""
-        rids = [r.rid for r in batch.reqs]
-        rows = torch.tensor([self.draft_pool.row_index(r) for r in rids], dtype=torch.int64, device=self.device)
+    def _draft(self, batch: Any, rows: list[int], seeds: torch.Tensor, committed: torch.Tensor,
+               samplers: list[Sampler], masks: ChainMasks) -> tuple[torch.Tensor, list[list[torch.Tensor | None]]]:
+        """``horizon`` draft passes for the requests at batch indices ``rows``; returns their drafts
+        ``[len(rows), x]`` and, per pass, each one's draft distribution (rejection sampling only)."""
+        rids = [batch.reqs[i].rid for i in rows]
+        private = torch.tensor([self.draft_pool.row_index(r) for r in rids], dtype=torch.int64, device=self.device)
         kept = torch.tensor([self.draft_pool.kept_len(r) for r in rids], dtype=torch.int64, device=self.device)
         scratch = torch.stack([self.draft_pool.scratch_slots(r) for r in rids]).to(self.device)
         rejection = self.cfg.verification == "rejection"
-        seed_positions = committed.tolist()  # once: a per-pass .tolist() would sync the device each pass
-        tokens, drafts, probs = seeds, [], []
+        seed_positions = committed[rows].tolist()  # once: a per-pass .tolist() would sync the device each pass
+        tokens, drafts, probs = seeds[rows], [], []
         for j in range(self.horizon):
-            seq_lens = (kept + j + 1).to(torch.int32)
-            fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(rids), input_ids=tokens,
-                              req_pool_indices=rows, seq_lens=seq_lens, seq_lens_cpu=seq_lens.cpu(),
-                              seq_lens_sum=int(seq_lens.sum()), out_cache_loc=scratch[:, j],
-                              positions=committed + j, capture_hidden_mode=CaptureHiddenMode.NULL)
-            logits = self._draft_pass(fb) if self.host is None else self.host.draft_pass(partial(self._draft_pass, fb))
-            tokens, q = draft_tokens(logits, samplers, [p + j + 1 for p in seed_positions], rejection)
+            fb = self.forwards.draft(batch, tokens, private, kept + j + 1, scratch[:, j], committed[rows] + j)
+            run = partial(self._draft_pass, fb)
+            logits = (run() if self.host is None else self.host.draft_pass(run)).float()
+            masks.fill(j, rows)
+            masks.apply(logits, j, rows)
+            tokens, q = draws(logits, [samplers[i] for i in rows], [p + j + 1 for p in seed_positions], rejection)
+            for r, i in enumerate(rows):
+                masks.advance(i, int(tokens[r]))
             drafts.append(tokens)
             probs.append(q)
+        masks.fill(self.horizon, rows)  # the bonus position
         return torch.stack(drafts, dim=1), probs
 
-    def _draft_pass(self, fb: ForwardBatch) -> torch.Tensor:
-        with self._drafting(fb):
-            self.draft_backend.init_forward_metadata(fb)
+    def _draft_pass(self, fb: Any) -> torch.Tensor:
+        with self._using(self.draft_backend, fb):
             return self.model_runner.forward(fb).logits_output.next_token_logits
 
     def _decode(self, batch: Any, on_publish: Any) -> Any:
         started = time.perf_counter()
+        reqs, bs = batch.reqs, len(batch.reqs)
         seeds = batch.spec_info.seeds.to(self.device)
         committed = batch.seq_lens.to(torch.int64)
+        plans = [self._plans[req.rid] for req in reqs]
+        drafting = [i for i, (req, plan) in enumerate(zip(reqs, plans, strict=True))
+                    if plan.drafts and self.draft_pool.has(req.rid)]
+        x = self.horizon if drafting else 0
+        width = x + 1
+        samplers = [plan.sampler for plan in plans]
+        grammars = {i: req.grammar for i, req in enumerate(reqs) if req.grammar is not None and plans[i].drafts}
+        masks = ChainMasks(grammars, width, self.model_runner.model_config.vocab_size, self.device)
         if self.host is not None:
-            self.host.plan(batch.reqs)
-        samplers = [self._samplers[req.rid] for req in batch.reqs]
-        drafts, draft_probs = self._draft(batch, seeds, committed, samplers)
-        bs, width = len(batch.reqs), self.horizon + 1
+            self.host.plan(reqs)
+        drafts = torch.zeros((bs, x), dtype=torch.int64, device=self.device)
+        draft_probs: list[list[torch.Tensor | None]] = []
+        if drafting:
+            drafts[drafting], draft_probs = self._draft(batch, drafting, seeds, committed, samplers, masks)
+        masks.fill(0)  # requests verified without drafts
+        masks.restore()
         chain = torch.cat([seeds[:, None], drafts], dim=1)  # [bs, x + 1]
         positions = committed[:, None] + torch.arange(width, device=self.device)[None]
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         slots = req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions].to(torch.int64)
 
         def verify(rows: torch.Tensor) -> torch.Tensor:
-            return self._verify(batch, rows.to(self.device), chain, positions, slots, committed)
+            rows = rows.to(self.device)
+            fb = self.forwards.verify(batch, rows, chain[rows], committed[rows], slots[rows])
+            with self._using(self.verify_backend, fb):
+                out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+            return out.logits_output.next_token_logits
 
-        if self.host is None:
-            logits = verify(torch.arange(bs))
-        else:
-            logits = self.host.verify(batch.reqs, verify, width)
-        if all(sampler.params.greedy for sampler in samplers):
-            verdicts = greedy_verdicts(drafts, logits.argmax(-1).view(bs, width))
-        else:
-            verdicts = sampled_verdicts(drafts, draft_probs, logits.view(bs, width, -1), committed.tolist(), samplers,
-                                        rejection=self.cfg.verification == "rejection")
+        flat = verify(torch.arange(bs)) if self.host is None else self.host.verify(reqs, verify, width)
+        logits = flat.view(bs, width, -1).float()
+        masks.apply_chains(logits)
+        own_ids, own = self._own_tokens(batch, flat.view(bs, width, -1)[:, 0], slots) if any(p.own for p in plans) \
+            else (None, None)
+        index = {i: r for r, i in enumerate(drafting)}
+        verdicts = []
+        for i, plan in enumerate(plans):
+            if plan.own:
+                verdicts.append(Verdict(0, [int(own_ids[i])]))
+                continue
+            k = x if i in index else 0
+            q = [draft_probs[j][index[i]] for j in range(k)] if i in index else []
+            verdicts.append(verdict(drafts[i, :k].tolist(), q, logits[i, : k + 1], int(committed[i]),
+                                     samplers[i], self.cfg.verification == "rejection"))
         packed = pack(verdicts, width, committed)
         self._commit(batch, packed, chain, committed, slots)
         if self.metrics is not None:
-            self.metrics.verified([v.accepted for v in packed.verdicts], self.horizon, time.perf_counter() - started)
+            drafted = [v.accepted for i, v in enumerate(verdicts) if i in index]
+            self.metrics.verified(drafted, self.horizon, time.perf_counter() - started,
+                                  undrafted=len(verdicts) - len(drafted))
             self.metrics.compressed_kv.set(self.draft_pool.nbytes())
             self._count_host_bytes()
         batch.forward_mode = ForwardMode.DECODE
         if on_publish is not None:
             on_publish(packed.new_seq_lens)
         return GenerationBatchResult(
-            logits_output=LogitsProcessorOutput(next_token_logits=logits), next_token_ids=packed.output_ids.reshape(-1),
+            logits_output=step_output(flat, logits, reqs, plans, verdicts, own),
+            next_token_ids=packed.output_ids.reshape(-1),
             accept_lens=packed.accept_lens, new_seq_lens=packed.new_seq_lens,
             next_draft_input=VeriCacheDraftInput(seeds=packed.next_seeds),
             speculative_num_draft_tokens=width, can_run_cuda_graph=False)
 
-    def _verify(self, batch: Any, rows: torch.Tensor, chain: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, committed: torch.Tensor) -> torch.Tensor:
-        """One TARGET_VERIFY pass over the requests at batch indices ``rows``: their [seed, drafts]
-        chains as causal chains over the target pool; returns the logits, ``[len(rows) * width, vocab]``."""
-        from sglang.srt.speculative.ngram_info import NgramVerifyInput
-
-        n, width = int(rows.numel()), self.horizon + 1
-        lens = committed[rows]
-        verify = NgramVerifyInput(
-            draft_token=chain[rows].reshape(-1), custom_mask=None, positions=positions[rows].reshape(-1),
-            retrieve_index=torch.arange(n * width, device=self.device).view(n, width),
-            retrieve_next_token=torch.cat([torch.arange(1, width, device=self.device),
-                                           torch.tensor([-1], device=self.device)]).repeat(n, 1),
-            retrieve_next_sibling=torch.full((n, width), -1, device=self.device), draft_token_num=width)
-        fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=n, input_ids=chain[rows].reshape(-1),
-                          req_pool_indices=batch.req_pool_indices[rows], seq_lens=lens.to(torch.int32),
-                          seq_lens_cpu=lens.cpu().to(torch.int32), seq_lens_sum=int((lens + width).sum()),
-                          out_cache_loc=slots[rows].reshape(-1), positions=positions[rows].reshape(-1),
-                          spec_info=verify, spec_algorithm=batch.spec_algorithm,
-                          capture_hidden_mode=CaptureHiddenMode.NULL)
-        result = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
-        return result.logits_output.next_token_logits
+    def _own_tokens(self, batch: Any, seed_logits: torch.Tensor,
+                    slots: torch.Tensor) -> tuple[torch.Tensor, LogitsProcessorOutput]:
+        """SGLang's own choice at every request's seed position: its sampler over the full-KV logits
+        there (penalties, logit_bias, min_p, grammar masks, its seeded draws, logprobs), as a stock
+        decode step, whose input token is the seed, makes it. Only "own" requests take it."""
+        fb = self.forwards.stock_decode(batch, batch.spec_info.seeds.to(self.device), slots[:, 0])
+        out = LogitsProcessorOutput(next_token_logits=seed_logits.clone())
+        return self.model_runner.sample(out, fb), out
 
     def _commit(self, batch: Any, packed: Any, chain: torch.Tensor, committed: torch.Tensor,
                 slots: torch.Tensor) -> None:
@@ -374,24 +376,37 @@ class VeriCacheWorker(BaseSpecWorker):
         for i, req in enumerate(batch.reqs):
             n = packed.verdicts[i].accepted + 1
             full = read_full_kv(pool, slots[i, :n], self.layout)
-            pos = torch.arange(int(committed[i]), int(committed[i]) + n)
-            self.draft_pool.commit(req.rid, full, pos)
+            if self.draft_pool.has(req.rid):
+                pos = torch.arange(int(committed[i]), int(committed[i]) + n)
+                self.draft_pool.commit(req.rid, full, pos)
             handle = self._requests.get(req.rid)
             if handle is not None:
                 handle.extend_tokens(chain[i, :n].tolist())  # the seed and the accepted drafts
-                self._store_write(handle, int(committed[i]), full)
+                self._store_write(req.rid, handle, int(committed[i]), full)
             if self.host is not None:
                 self.host.offload(req, int(committed[i]) + n)
 
-    def _store_write(self, handle: Any, start: int, full: Any) -> None:
+    def _store_write(self, rid: str, handle: Any, start: int, full: Any) -> bool:
+        """Write a request's exact K/V to the store. The device copy stays authoritative, so a store
+        that fails only stops this request's writes (logged, counted); nothing it serves changes."""
         try:
             handle.write(start, full.layers)
-        except Exception:
+        except Exception as e:  # a store outage must not fail the step
+            logger.warning("VeriCache: full-KV store write for request %s failed (%s); its KV stays on the device "
+                           "only", rid, e)
             if self.metrics is not None:
                 self.metrics.store_errors.inc()
-            raise
+            self._requests.pop(rid, None)
+            with contextlib.suppress(Exception):
+                handle.release()
+            return False
         if self.metrics is not None:
             self.metrics.full_kv_written.inc(full.nbytes)
+        return True
+
+    def _count(self, name: str) -> None:
+        if self.metrics is not None:
+            getattr(self.metrics, name).inc()
 
     def _count_host_bytes(self) -> None:
         if self.host is None:
@@ -408,7 +423,11 @@ class VeriCacheWorker(BaseSpecWorker):
         """Drop what the worker keeps for ``rid`` (it finished, left, or prefills again)."""
         if self.draft_pool is not None:
             self.draft_pool.release(rid)
-        self._samplers.pop(rid, None)
+        self._plans.pop(rid, None)
+        if hasattr(self, "_capture"):
+            self._capture.forget(rid)
         handle = self._requests.pop(rid, None)
         if handle is not None:
-            handle.release()
+            with contextlib.suppress(Exception):
+                handle.release()
+

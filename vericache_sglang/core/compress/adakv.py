@@ -18,7 +18,7 @@ import torch
 
 from vericache_sglang.core.compress.base import DroppedLayer, KeepingDropper, Observation, check_ratio
 from vericache_sglang.core.compress.scoring import budget, top_per_head
-from vericache_sglang.core.compress.snapkv import obs_window, snapkv_scores
+from vericache_sglang.core.compress.snapkv import observed_scores
 
 
 @dataclass
@@ -73,7 +73,7 @@ class AdaKV(KeepingDropper):
         if per_head >= n:
             everything = torch.arange(n, dtype=torch.int32, device=k.device).expand(hk, -1).clone()
             return AdaKVLayer(k.clone(), v.clone(), everything, [n] * hk)
-        scores = snapkv_scores(obs_window(obs, layer_idx, window), k, p.kernel, p.pool)
+        scores = observed_scores(obs, layer_idx, window, k, p.kernel, p.pool)
         # The observation window is always kept (it is part of every head's allotment).
         scores = torch.cat([scores, torch.full((hk, window), float("inf"), device=k.device)], dim=1)
         scores, allotted = allot(scores, per_head, p.alpha)

@@ -80,11 +80,14 @@ class Observation:
     """What the prefill saw that a scoring compressor may use.
 
     ``queries[layer]`` holds the post-RoPE queries ``[q_heads, window, head_dim]`` of the last
-    prompt tokens (SnapKV's observation window); ``source`` reaches the model for more.
+    prompt tokens (SnapKV's observation window); ``source`` reaches the model for more. With
+    ``follows`` the queries are of tokens *after* the KV being compressed (a shared prefix scored
+    by the request that continues it): they see all of it, no causal mask applies within it.
     """
 
     queries: list[torch.Tensor] | None = None
     source: ObservationSource | None = None
+    follows: bool = False
 
     def window_queries(self, layer: int, window: int) -> torch.Tensor:
         kept = 0 if self.queries is None else self.queries[layer].shape[1]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from vericache_sglang.core.compress.base import DroppedLayer, Observation
-from vericache_sglang.core.compress.snapkv import SnapKV, obs_window, snapkv_scores
+from vericache_sglang.core.compress.snapkv import SnapKV, observed_scores
 from vericache_sglang.core.kv import CompressedKV, FullKV
 
 
@@ -70,7 +70,7 @@ class PyramidKV(SnapKV):
         count = min(n, max(count, window))
         if count >= n:
             return DroppedLayer.gather(k, v, torch.arange(n, device=k.device).expand(hk, -1))
-        scores = snapkv_scores(obs_window(obs, layer_idx, window), k, self.params.kernel, self.params.pool)
+        scores = observed_scores(obs, layer_idx, window, k, self.params.kernel, self.params.pool)
         top = scores.topk(count - window, dim=-1).indices
         recent = torch.arange(n - window, n, device=k.device).expand(hk, -1)
         return DroppedLayer.gather(k, v, torch.cat([top, recent], dim=1).sort(dim=1).values)

@@ -26,10 +26,11 @@ class SnapKVParams:
     pool: str = "max"
 
 
-def snapkv_scores(q_obs: torch.Tensor, k: torch.Tensor, kernel: int, pool: str) -> torch.Tensor:
+def snapkv_scores(q_obs: torch.Tensor, k: torch.Tensor, kernel: int, pool: str, causal: bool = True) -> torch.Tensor:
     """Scores ``[kv_heads, tokens - window]`` of the prefix tokens.
 
-    ``q_obs`` is ``[q_heads, window, head_dim]``: the queries of the last ``window`` positions.
+    ``q_obs`` is ``[q_heads, window, head_dim]``: the queries of the last ``window`` positions, or
+    with ``causal=False`` of ``window`` tokens after all of ``k`` (which then see every key).
     """
     hq, window, d = q_obs.shape
     hk, n, _ = k.shape
@@ -37,8 +38,9 @@ def snapkv_scores(q_obs: torch.Tensor, k: torch.Tensor, kernel: int, pool: str) 
     keys = k.repeat_interleave(group, dim=0).float()
     logits = q_obs.float() @ keys.transpose(1, 2) / math.sqrt(d)  # [hq, window, n]
     # The window attends causally to itself.
-    causal = torch.ones(window, window, dtype=torch.bool, device=k.device).triu(1)
-    logits[:, :, n - window :].masked_fill_(causal, float("-inf"))
+    if causal:
+        mask = torch.ones(window, window, dtype=torch.bool, device=k.device).triu(1)
+        logits[:, :, n - window :].masked_fill_(mask, float("-inf"))
     probs = logits.softmax(dim=-1)[:, :, : n - window].sum(dim=1)  # [hq, n - window]
     probs = probs.view(hk, group, -1).mean(dim=1)
     pad = kernel // 2
@@ -72,7 +74,7 @@ class SnapKV(KeepingDropper):
         budget, window = self.budget(n), self.params.window
         if budget >= n:
             return DroppedLayer.gather(k, v, torch.arange(n, device=k.device).expand(hk, -1))
-        scores = snapkv_scores(obs_window(obs, layer_idx, window), k, self.params.kernel, self.params.pool)
+        scores = observed_scores(obs, layer_idx, window, k, self.params.kernel, self.params.pool)
         top = scores.topk(budget - window, dim=-1).indices
         recent = torch.arange(n - window, n, device=k.device).expand(hk, -1)
         keep = torch.cat([top, recent], dim=1).sort(dim=1).values
@@ -83,3 +85,9 @@ def obs_window(obs: Observation | None, layer_idx: int, window: int) -> torch.Te
     if obs is None:
         raise ValueError("snapkv needs the prefill's observation queries")
     return obs.window_queries(layer_idx, window)
+
+
+def observed_scores(obs: Observation | None, layer_idx: int, window: int, k: torch.Tensor, kernel: int,
+                    pool: str) -> torch.Tensor:
+    """SnapKV's scores of layer ``layer_idx``'s keys ``k`` by the observation's last ``window`` queries."""
+    return snapkv_scores(obs_window(obs, layer_idx, window), k, kernel, pool, causal=not obs.follows)

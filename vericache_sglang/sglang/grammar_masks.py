@@ -1,0 +1,76 @@
+"""A grammar's token masks along a drafted chain, from SGLang's own grammar object (xgrammar).
+
+Constrained decoding picks each token from the logits masked by the grammar's state after the
+tokens before it. Along a chain of drafts that state is the committed state advanced over the
+drafts so far, so one walk gives every position's mask: fill the mask for position ``j``, draft
+the ``j``-th token from masked draft logits, advance the matcher over it; after the last draft the
+bonus position's mask. The matcher is then rolled back to the committed state (SGLang's scheduler
+advances it over the tokens this step commits), and verification applies the same masks to the
+full-KV logits at the same positions: what VeriCache commits is what full-KV constrained decoding
+chooses, token for token. Once the matcher terminates (the grammar is complete) the chain's later
+positions are left unmasked: SGLang's scheduler ends the request there and drops what follows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class ChainMasks:
+    def __init__(self, grammars: dict[int, Any], width: int, vocab: int, device: Any):
+        """``grammars``: batch index -> the request's SGLang grammar object."""
+        self.grammars = grammars
+        self.masks = {i: g.allocate_vocab_mask(vocab, width, device) for i, g in grammars.items()}
+        self.advanced = dict.fromkeys(grammars, 0)  # tokens the matcher took this step
+        self.following = dict.fromkeys(grammars, True)  # still in step with the chain
+        self.filled = dict.fromkeys(grammars, 0)  # positions whose mask is set
+
+    def __bool__(self) -> bool:
+        return bool(self.grammars)
+
+    def fill(self, j: int, rows: list[int] | None = None) -> None:
+        """Set position ``j``'s mask (the matcher's state after ``j`` drafts) for ``rows`` (all by default)."""
+        for i in self.grammars if rows is None else rows:
+            if i in self.grammars and self.following[i] and self.filled[i] == j:
+                if self.grammars[i].is_terminated():
+                    self.following[i] = False
+                    continue
+                self.grammars[i].fill_vocab_mask(self.masks[i], j)
+                self.filled[i] = j + 1
+
+    def apply(self, logits: torch.Tensor, j: int, rows: list[int]) -> None:
+        """Mask ``logits`` ``[len(rows), vocab]`` (row ``r`` is batch index ``rows[r]``) at position ``j``, in place."""
+        for r, i in enumerate(rows):
+            if i in self.grammars and self.filled[i] > j:
+                self.grammars[i].apply_vocab_mask(logits[r : r + 1], self.masks[i][j : j + 1].to(logits.device))
+
+    def advance(self, i: int, token: int) -> None:
+        """The matcher of batch index ``i`` takes its draft ``token``."""
+        if i not in self.grammars or not self.following[i]:
+            return
+        grammar = self.grammars[i]
+        if grammar.is_terminated():
+            self.following[i] = False
+            return
+        try:
+            grammar.accept_token(int(token))
+        except ValueError:  # masked drafts never hit this; a fully masked row would
+            self.following[i] = False
+            return
+        self.advanced[i] += 1
+
+    def restore(self) -> None:
+        """Back to the committed state (before any draft of this step)."""
+        for i, grammar in self.grammars.items():
+            if self.advanced[i]:
+                grammar.rollback(self.advanced[i])
+            self.advanced[i] = 0
+
+    def apply_chains(self, logits: torch.Tensor) -> None:
+        """Mask the verification logits ``[bs, width, vocab]`` at every position that has a mask."""
+        for i in self.grammars:
+            n = self.filled[i]
+            if n:
+                self.grammars[i].apply_vocab_mask(logits[i, :n], self.masks[i][:n].to(logits.device))
