@@ -1,9 +1,10 @@
 """Every SGLang name the worker reads exists in sglang 0.5.23, on real objects.
 
-The worker cannot run here (a GPU with sglang), so a renamed attribute would only show on an
-operator's GPU: one did (``req.req_pool_idx``, which 0.5.23 keeps on ``req.kv``). This pins the
-surface the worker, its host offload and its draft path touch; the worker's source is scanned so
-a new use without a check here fails.
+The end-to-end tests (``test_sglang_e2e*.py``) run the worker in real servers, but only along the
+paths their requests take; a renamed attribute on another path would show only there (one did:
+``req.req_pool_idx``, which 0.5.23 keeps on ``req.kv``). This pins the surface the worker, its host
+offload and its forward, plan and output modules touch; their source is scanned so a new use
+without a check here fails, in seconds, before any server starts.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 SGLANG_DIR = Path(__file__).resolve().parents[1] / "vericache_sglang" / "sglang"
-WORKER_FILES = ("worker.py", "host_offload.py")
+WORKER_FILES = ("worker.py", "host_offload.py", "forward.py", "request_plan.py", "step_output.py")
 
 # the attribute paths the worker reads, by the object they hang off
 REQ = {"grammar", "kv.cache_protected_len", "kv.req_pool_idx", "origin_input_ids", "return_logprob", "rid",
-       "sampling_params", "skip_radix_cache_insert", "to_finish"}
+       "sampling_params", "skip_radix_cache_insert", "to_finish", "logprob.token_ids_logprob",
+       "logprob.top_logprobs_num"}
 BATCH = {"extend_lens", "forward_mode", "has_grammar", "req_pool_indices", "reqs", "return_logprob", "seq_lens",
          "spec_algorithm", "spec_info"}
 RESULT = {"logits_output", "new_seq_lens", "next_draft_input", "next_token_ids"}

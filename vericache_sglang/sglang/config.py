@@ -22,6 +22,20 @@ VERIFICATION_POLICIES = ("greedy", "rejection")
 # the time the staggered scheduler plans (unverified: needs a GPU with sglang).
 FULL_KV_PLACES = ("device", "store", "host")
 MAX_HORIZON = 64
+# How each attention backend verifies a chain (``forward.py``): its own TARGET_VERIFY with SGLang's
+# custom mask ("masked", GPU), or through the plugin's chain backend ("chain", CPU).
+MASKED_VERIFY_BACKENDS = ("flashinfer", "triton", "fa3")
+CHAIN_VERIFY_BACKENDS = ("torch_native", "vericache_torch_native")
+
+
+def verify_convention(backend: str | None) -> str:
+    """``"masked"`` or ``"chain"`` for an attention backend name; VeriCacheConfigError for any other."""
+    if backend in MASKED_VERIFY_BACKENDS:
+        return "masked"
+    if backend in CHAIN_VERIFY_BACKENDS:
+        return "chain"
+    raise VeriCacheConfigError(f"VeriCache verifies with the attention backends "
+                               f"{', '.join(MASKED_VERIFY_BACKENDS + CHAIN_VERIFY_BACKENDS)}; got {backend!r}")
 
 
 class VeriCacheConfigError(ValueError):

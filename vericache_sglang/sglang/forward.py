@@ -30,21 +30,7 @@ from typing import Any
 import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
-# Backends whose TARGET_VERIFY honours a custom mask (SGLang's NGRAM verification path).
-MASKED_VERIFY_BACKENDS = ("flashinfer", "triton", "fa3")
-# Backends without speculative support whose verify passes run through chain_attention.
-CHAIN_VERIFY_BACKENDS = ("torch_native", "vericache_torch_native")
-VERIFY_BACKENDS = MASKED_VERIFY_BACKENDS + CHAIN_VERIFY_BACKENDS
-
-
-def verify_convention(backend: str | None) -> str:
-    """``"masked"`` or ``"chain"`` for an attention backend name; ValueError for any other."""
-    if backend in MASKED_VERIFY_BACKENDS:
-        return "masked"
-    if backend in CHAIN_VERIFY_BACKENDS:
-        return "chain"
-    raise ValueError(f"VeriCache's chain verification supports the attention backends "
-                     f"{', '.join(VERIFY_BACKENDS)}; got {backend!r}")
+from vericache_sglang.sglang.config import verify_convention
 
 
 @contextlib.contextmanager

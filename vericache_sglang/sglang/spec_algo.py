@@ -12,7 +12,7 @@ from typing import Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from vericache_sglang.sglang.config import VeriCacheConfigError
+from vericache_sglang.sglang.config import VeriCacheConfigError, verify_convention
 from vericache_sglang.sglang.hooks import ALGORITHM, config_of
 
 
@@ -39,6 +39,7 @@ def validate_server_args(server_args: Any) -> None:
     if cfg is None:
         raise VeriCacheConfigError(
             f"--speculative-algorithm {ALGORITHM} is set by --enable-vericache; pass that flag instead")
+    _check_attention_backends(server_args)
     if str(getattr(server_args, "model_path", "")).lower() in ("", "none", "dummy"):
         return
     from sglang.srt.arg_groups.model_override_base import model_config_of
@@ -58,6 +59,20 @@ def validate_server_args(server_args: Any) -> None:
     if problems:
         raise VeriCacheConfigError(
             f"VeriCache cannot serve {model.model_path}: " + "; ".join(problems))
+
+
+def _check_attention_backends(server_args: Any) -> None:
+    """One backend prefills, drafts and verifies, and it must be one VeriCache can verify with.
+    A backend left for SGLang to choose is checked when the worker starts (``forward.py``)."""
+    from sglang.srt.arg_groups.model_override_base import attention_backends_of
+
+    prefill, decode = attention_backends_of(server_args)
+    if prefill and decode and prefill != decode:
+        raise VeriCacheConfigError(
+            f"VeriCache needs one attention backend for prefill, drafting and verification; got prefill {prefill!r}, "
+            f"decode {decode!r}")
+    if prefill or decode:
+        verify_convention(prefill or decode)
 
 
 def worker_factory(server_args: Any) -> type:

@@ -1,0 +1,114 @@
+"""Where the full KV lives, end to end in real SGLang servers: ``full_kv`` "store" (our gRPC store,
+Redis) and "host" (SGLang's host pool, reloaded per layer for each verification), with both
+SGLang-path compressors; every answer is stock SGLang's. CI runs one compressor per mode; the
+whole matrix and the host mode's memory saving are in the slow set."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from sglang_e2e import Ask, accepted_length, ask_all, compare_answers, prompt
+from sglang_server import SGLangServer
+
+pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
+
+SNAPKV = "snapkv:ratio=0.125"
+STREAMING = "streamingllm:sink=4,window=256"
+
+
+def _config(compressor: str, full_kv: str, store: str | None = None) -> dict:
+    cfg = {"compressor": compressor, "horizon": 8, "full_kv": full_kv}
+    if store:
+        cfg["store"] = store
+    if full_kv == "host":
+        cfg.update(reload_room=0.2, host_pool_ratio=1.0)
+    return cfg
+
+
+def _questions() -> list[Ask]:
+    return [Ask(prompt("prose"), "completion", params={"logprobs": 1}),
+            Ask(prompt("code"), "chat", stream=True, max_tokens=48)]
+
+
+def _check_identical(stock, server, exactness, name):
+    questions = _questions()
+    expected, got = ask_all(stock, questions), ask_all(server, questions)
+    for q, ref, out in zip(questions, expected, got, strict=True):
+        cmp = compare_answers(ref, out)
+        exactness(f"sglang {name} {q.label()}", cmp)
+        assert cmp["identical"], (name, q.label(), ref.text, out.text)
+    assert accepted_length(server) > 1.5
+
+
+def _mode_evidence(server, full_kv):
+    m = server.metrics()
+    if full_kv == "device":
+        assert m["vericache_full_kv_written_bytes_total"] == 0
+    else:  # written to the store, or offloaded to the host pool
+        assert m["vericache_full_kv_written_bytes_total"] > 0
+    if full_kv == "host":  # every verification reloaded its request's KV
+        assert m["vericache_full_kv_fetched_bytes_total"] > 0
+    assert m["vericache_store_errors_total"] == 0
+
+
+@pytest.mark.parametrize(("compressor", "full_kv", "store"), [
+    pytest.param(STREAMING, "store", "grpc", id="streamingllm-store-grpc"),
+    pytest.param(SNAPKV, "host", None, id="snapkv-host"),
+    pytest.param(STREAMING, "device", None, id="streamingllm-device", marks=pytest.mark.slow),
+    pytest.param(SNAPKV, "store", "grpc", id="snapkv-store-grpc", marks=pytest.mark.slow),
+    pytest.param(SNAPKV, "store", "redis", id="snapkv-store-redis", marks=pytest.mark.slow),
+    pytest.param(STREAMING, "store", "redis", id="streamingllm-store-redis", marks=pytest.mark.slow),
+    pytest.param(STREAMING, "host", None, id="streamingllm-host", marks=pytest.mark.slow),
+])
+def test_each_full_kv_place_answers_as_stock(request, stock_server, sglang_logs, exactness, compressor, full_kv,
+                                             store):
+    url = request.getfixturevalue({"grpc": "store_url", "redis": "redis_url"}[store]) if store else None
+    name = f"{compressor.split(':')[0]}-{full_kv}{'-' + store if store else ''}"
+    server = SGLangServer(sglang_logs, name, vericache=_config(compressor, full_kv, url))
+    try:
+        _check_identical(stock_server, server, exactness, name)
+        _mode_evidence(server, full_kv)
+    finally:
+        server.stop()
+
+
+def _peak_usage(server, load: list[Ask]) -> tuple[float, list]:
+    """The device KV pool's peak token usage as SGLang reports it while ``load`` runs."""
+    peak, done = [0.0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], server.metrics().get("sglang:num_used_tokens", 0.0))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        answers = ask_all(server, load)
+    finally:
+        done.set()
+        watcher.join()
+    return peak[0], answers
+
+
+@pytest.mark.slow
+def test_host_mode_holds_fewer_tokens_on_the_device_than_stock(stock_server, sglang_logs, exactness):
+    """Six 2,000-token requests at once: stock SGLang holds all their KV on the device; with
+    ``full_kv: "host"`` the device holds the reload room, what is being prefilled and the
+    compressed copies are elsewhere (the worker's own pool)."""
+    load = [Ask(prompt(name, 2000), kind, max_tokens=24) for name in ("prose", "code", "tools")
+            for kind in ("completion", "chat")]
+    server = SGLangServer(sglang_logs, "snapkv-host-peak", vericache=_config(SNAPKV, "host"))
+    try:
+        stock_peak, expected = _peak_usage(stock_server, load)
+        host_peak, got = _peak_usage(server, load)
+        for q, ref, out in zip(load, expected, got, strict=True):
+            cmp = compare_answers(ref, out)
+            exactness(f"sglang host peak load {q.label()}", cmp, stock_peak=stock_peak, host_peak=host_peak)
+            assert cmp["identical"], (q.label(), ref.text, out.text)
+    finally:
+        server.stop()
+    assert stock_peak >= 6 * 2000
+    assert host_peak < stock_peak, (host_peak, stock_peak)
