@@ -1,20 +1,22 @@
-"""docker-compose.yml's cpu profile on loopback, without Docker (``deploy/local_cluster.sh``).
+"""docker-compose.yml's profiles on loopback, without Docker (``deploy/local_cluster.sh``).
 
 The compose file is the only description of the cluster: each service's ``command``,
-``environment``, ``healthcheck``, ``depends_on`` and ``restart`` are used as written, with three
-mappings a single host needs: a service's host name and port (``store:50051``) become
-``127.0.0.1`` and a free port, ``/run/secrets/NAME`` becomes the secret's file, and executables
-come from the service's ``x-local.venv`` (default ``.venv``) with the checkout on ``PYTHONPATH``
-(the images' ``/app``). Volumes are not mapped: local runs use this machine's model cache.
+``environment``, ``healthcheck``, ``depends_on`` and ``restart`` are used as written, variables
+(``${NAME:-default}``) substituted from the environment as Compose does, with three mappings a
+single host needs: a service's host name and port (``store:50051``) become ``127.0.0.1`` and a
+free port, ``/run/secrets/NAME`` becomes the secret's file, and executables come from the
+service's ``x-local.venv`` (default ``.venv``) with the checkout on ``PYTHONPATH`` (the images'
+``/app``). Volumes are not mapped: local runs use this machine's model cache.
 tests/test_cluster.py checks that this reading of the file agrees with Docker Compose's own.
 
-    python deploy/cluster.py up [--exit-after-client] [--without lmcache]
+    python deploy/cluster.py up [--profile cpu|sglang] [--exit-after-client] [--without lmcache]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import signal
 import socket
@@ -29,7 +31,19 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
-CLIENT = "rag-client"
+CLIENTS = ("rag-client", "sglang-client")  # each profile's one-shot client, run after the rest is up
+_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def interpolate(value: object) -> object:
+    """Compose's variable substitution in every string: ``${NAME}``, ``${NAME:-default}``."""
+    if isinstance(value, str):
+        return _VARIABLE.sub(lambda m: os.environ.get(m.group(1)) or (m.group(2) or ""), value)
+    if isinstance(value, list):
+        return [interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v) for k, v in value.items()}
+    return value
 
 
 @dataclass
@@ -56,7 +70,7 @@ def _seconds(value: str | int | float) -> float:
 
 def load(path: Path = COMPOSE, profile: str = "cpu") -> dict[str, Service]:
     """The services of ``profile``, as this runner reads them."""
-    spec = yaml.safe_load(path.read_text())
+    spec = interpolate(yaml.safe_load(path.read_text()))
     out = {}
     for name, svc in spec["services"].items():
         if profile not in svc.get("profiles", [profile]):
@@ -205,7 +219,12 @@ class LocalCluster:
             time.sleep(svc.health_interval_s)
         raise RuntimeError(f"{name} did not become healthy; see {self.workdir / (name + '.log')}")
 
-    def up(self, skip: tuple[str, ...] = (CLIENT,), log=print) -> None:
+    @property
+    def client(self) -> str | None:
+        """This profile's client service, if it has one."""
+        return next((name for name in CLIENTS if name in self.services), None)
+
+    def up(self, skip: tuple[str, ...] = CLIENTS, log=print) -> None:
         """Start every service (but ``skip``) in dependency order, each after its dependencies'
         conditions hold; return when every long-running one is healthy."""
         for name in order(self.services):
@@ -220,8 +239,9 @@ class LocalCluster:
                 self.wait(name, "service_healthy")
                 log(f"{name} healthy")
 
-    def run_client(self, name: str = CLIENT, extra: tuple[str, ...] = (),
+    def run_client(self, name: str | None = None, extra: tuple[str, ...] = (),
                    timeout_s: float = 1800) -> subprocess.CompletedProcess:
+        name = name or self.client
         for dep, condition in self.services[name].depends_on.items():
             self.wait(dep, condition)
         return subprocess.run(self.argv(name) + list(extra), env=self.env(name), cwd=REPO, capture_output=True,
@@ -267,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     try:
         cluster.up(log=lambda s: print(s, file=sys.stderr))
-        if CLIENT in cluster.services:
+        if cluster.client is not None:
             done = cluster.run_client()
             print(done.stderr, file=sys.stderr, end="")
             print(done.stdout, end="")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Create the project's one environment (.venv: Python 3.11, plain pip) and prepare the default model.
 # Idempotent: a second run only checks. Also installs sglang 0.5.23 the way a machine without a GPU
-# can (requirements/sglang-cpu.txt: sglang without its CUDA dependencies); --no-sglang skips it.
+# runs it (requirements/sglang-cpu.txt: sglang without its CUDA dependencies, plus the pure-Python
+# ones its CPU server imports; the project's install adds the CPU platform layer, a .pth line that
+# supplies SGLang's two CPU kernel ops when SGLANG_USE_CPU_ENGINE=1); --no-sglang skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,14 +32,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.vericache-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   echo "setup: installing the project and its pinned dependencies (torch 2.14.1, transformers 5.19.0)" >&2
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -e '.[dev,serve]'
   touch "$stamp"
 fi
-# sglang for the plugin's CPU tests: the wheel without its dependencies (CUDA-only kernels), then
-# the pure-Python ones it imports. A GPU machine uses `pip install .[sglang]` instead.
+# sglang on this CPU: the wheel without its dependencies (CUDA-only kernels), then the pure-Python
+# ones its server imports. A GPU machine uses `pip install .[sglang]` instead.
 SGLANG_VERSION=0.5.23
 if [ "${1:-}" != "--no-sglang" ]; then
   sg_stamp=.venv/.vericache-sglang-installed

@@ -146,7 +146,7 @@ def stock_server(sglang_logs):
     reads a request's output before the previous step's token lands), so a penalised request's
     text depends on the scheduling mode, not on the KV."""
     pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
-    from sglang_server import SGLangServer
+    from vericache_sglang.bench.sglang_server import SGLangServer
 
     server = SGLangServer(sglang_logs, "stock", "--disable-overlap-schedule")
     yield server

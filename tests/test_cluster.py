@@ -29,31 +29,44 @@ def _compose_binary() -> str:
 COMPOSE_BIN = _compose_binary()
 
 
-def compose_config(profile: str) -> dict:
-    out = subprocess.run([COMPOSE_BIN, "-f", str(cluster.COMPOSE), "--profile", profile, "config", "--format",
-                          "json"], capture_output=True, text=True, cwd=REPO)
+GPU_OVERRIDE = REPO / "deploy" / "compose.gpu.yml"
+
+
+def compose_config(profile: str, *overrides: Path) -> dict:
+    files = [arg for f in (cluster.COMPOSE, *overrides) for arg in ("-f", str(f))]
+    out = subprocess.run([COMPOSE_BIN, *files, "--profile", profile, "config", "--format", "json"],
+                         capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
-@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+PROFILES = {"cpu": (), "sglang": (), "sglang-gpu": (GPU_OVERRIDE,)}
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
 def test_compose_file_passes_compose_config(profile):
-    spec = compose_config(profile)
+    spec = compose_config(profile.removesuffix("-gpu"), *PROFILES[profile])
     services = spec["services"]
     for name, svc in services.items():
         if svc.get("restart") != "no":
             assert "healthcheck" in svc, f"{name} has no health check"
         assert "TOKEN=" not in json.dumps(svc.get("environment", {})), f"{name}: a secret in the file"
-    assert {"models", "redis-data"} <= set(spec["volumes"])
-    expected = {"redis", "lmcache", "store", "model"} | (
-        {"vericache-a", "vericache-b", "rag-client"} if profile == "cpu" else {"sglang"})
+    assert {"models"} | ({"redis-data"} if profile == "cpu" else set()) <= set(spec["volumes"])
+    expected = {"redis", "lmcache", "store", "model", "vericache-a", "vericache-b", "rag-client"} if profile == "cpu" \
+        else {"store", "model", "sglang", "sglang-client"}
     assert set(services) == expected
+    if profile.startswith("sglang"):
+        args = services["sglang"]["command"]
+        device = args[args.index("--device") + 1]
+        assert device == ("cuda" if profile == "sglang-gpu" else "cpu")
+        assert services["sglang"]["environment"]["SGLANG_USE_CPU_ENGINE"] == ("0" if device == "cuda" else "1")
+        assert ("deploy" in services["sglang"]) == (device == "cuda")  # a GPU reservation only on the GPU
 
 
 def test_every_image_builds_from_files_in_the_repository():
     """Each service's Dockerfile exists and copies only what the checkout has (no engine runs here)."""
-    for profile in ("cpu", "gpu"):
-        for name, svc in compose_config(profile)["services"].items():
+    for profile, overrides in PROFILES.items():
+        for name, svc in compose_config(profile.removesuffix("-gpu"), *overrides)["services"].items():
             if "build" not in svc:
                 continue
             context = Path(svc["build"]["context"])
@@ -76,9 +89,11 @@ def test_compose_config_rejects_what_the_schema_forbids(tmp_path):
         assert out.returncode != 0 and error in out.stderr, out
 
 
-def test_local_runner_reads_the_file_as_compose_does():
-    ours = cluster.load(profile="cpu")
-    theirs = compose_config("cpu")["services"]
+@pytest.mark.parametrize("profile", ["cpu", "sglang"])
+def test_local_runner_reads_the_file_as_compose_does(profile, monkeypatch):
+    monkeypatch.setenv("SGLANG_DTYPE", "bfloat16")  # a variable set, the others at their defaults
+    ours = cluster.load(profile=profile)
+    theirs = compose_config(profile)["services"]
     assert set(ours) == set(theirs)
     for name, svc in ours.items():
         ref = theirs[name]
@@ -88,7 +103,11 @@ def test_local_runner_reads_the_file_as_compose_does():
         assert svc.depends_on == {d: c["condition"] for d, c in (ref.get("depends_on") or {}).items()}, name
         assert [svc.port] == [int(p) for p in ref.get("expose", [])] or (svc.port is None and "expose" not in ref)
         assert svc.oneshot == (ref.get("restart") == "no"), name
-    assert cluster.order(ours).index("store") < cluster.order(ours).index("vericache-a")
+    first_server = "vericache-a" if profile == "cpu" else "sglang"
+    assert cluster.order(ours).index("store") < cluster.order(ours).index(first_server)
+    if profile == "sglang":
+        args = ours["sglang"].command
+        assert args[args.index("--dtype") + 1] == "bfloat16" and args[args.index("--device") + 1] == "cpu"
 
 
 def test_localize_maps_hosts_ports_and_secrets():
@@ -128,3 +147,26 @@ def test_cluster_end_to_end(tmp_path):
     finally:
         codes = c.down()
     assert all(code == 0 for code in codes.values()), codes  # every service stopped cleanly on SIGTERM
+
+
+@pytest.mark.real_model
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_sglang_profile_end_to_end(tmp_path):
+    """The sglang profile on loopback: SGLang's own launcher with --enable-vericache on this CPU, its
+    full KV written to our store, the SGLang client's answers about shared documents identical to
+    full-KV decoding, later questions served from the cached document prefix."""
+    c = cluster.LocalCluster.from_compose(tmp_path, profile="sglang")
+    try:
+        c.up()
+        done = c.run_client(extra=("--json", "--max-tokens", "24"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads(done.stdout)
+        assert summary["identical"] and summary["later_questions_cached"] and summary["requests"] == 4
+        assert all(r["max_logprob_abs_diff"] < 1e-3 for r in summary["rows"])
+        m = summary["metrics"]
+        assert m["vericache_verify_passes_total"] > 0 and m["vericache_full_kv_written_bytes_total"] > 0
+        assert m["vericache_store_errors_total"] == 0
+    finally:
+        codes = c.down()
+    assert codes["store"] == 0, codes  # SGLang's launcher ends its own way on SIGTERM; the store cleanly

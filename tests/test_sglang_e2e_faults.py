@@ -12,8 +12,9 @@ import time
 
 import pytest
 from services import StoreServer, free_port
-from sglang_e2e import Ask, ask, compare_answers, prompt
-from sglang_server import REPO, SGLangServer, cpu_env, group_alive, launch_command
+from sglang_e2e import compare_answers, prompt
+
+from vericache_sglang.bench.sglang_server import REPO, Ask, SGLangServer, ask, cpu_env, group_alive, launch_command
 
 pytestmark = [pytest.mark.sglang]
 

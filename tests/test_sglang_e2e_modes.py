@@ -5,12 +5,10 @@ whole matrix and the host mode's memory saving are in the slow set."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
-from sglang_e2e import Ask, accepted_length, ask_all, compare_answers, prompt
-from sglang_server import SGLangServer
+from sglang_e2e import compare_answers, prompt
+
+from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, ask_all, run_load
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
@@ -39,7 +37,7 @@ def _check_identical(stock, server, exactness, name):
         cmp = compare_answers(ref, out)
         exactness(f"sglang {name} {q.label()}", cmp)
         assert cmp["identical"], (name, q.label(), ref.text, out.text)
-    assert accepted_length(server) > 1.5
+    assert accepted_length(server.metrics()) > 1.5
 
 
 def _mode_evidence(server, full_kv):
@@ -74,25 +72,6 @@ def test_each_full_kv_place_answers_as_stock(request, stock_server, sglang_logs,
         server.stop()
 
 
-def _peak_usage(server, load: list[Ask]) -> tuple[float, list]:
-    """The device KV pool's peak token usage as SGLang reports it while ``load`` runs."""
-    peak, done = [0.0], threading.Event()
-
-    def watch():
-        while not done.is_set():
-            peak[0] = max(peak[0], server.metrics().get("sglang:num_used_tokens", 0.0))
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        answers = ask_all(server, load)
-    finally:
-        done.set()
-        watcher.join()
-    return peak[0], answers
-
-
 @pytest.mark.slow
 def test_host_mode_holds_fewer_tokens_on_the_device_than_stock(stock_server, sglang_logs, exactness):
     """Six 2,000-token requests at once: stock SGLang holds all their KV on the device; with
@@ -102,8 +81,8 @@ def test_host_mode_holds_fewer_tokens_on_the_device_than_stock(stock_server, sgl
             for kind in ("completion", "chat")]
     server = SGLangServer(sglang_logs, "snapkv-host-peak", vericache=_config(SNAPKV, "host"))
     try:
-        stock_peak, expected = _peak_usage(stock_server, load)
-        host_peak, got = _peak_usage(server, load)
+        stock, host = run_load(stock_server, load), run_load(server, load)
+        stock_peak, expected, host_peak, got = stock.peak_tokens, stock.answers, host.peak_tokens, host.answers
         for q, ref, out in zip(load, expected, got, strict=True):
             cmp = compare_answers(ref, out)
             exactness(f"sglang host peak load {q.label()}", cmp, stock_peak=stock_peak, host_peak=host_peak)

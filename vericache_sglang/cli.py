@@ -150,14 +150,17 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_MODULES = {"sglang": "sglang_cpu"}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
     from vericache_sglang.bench.common import RESULTS
 
-    module = importlib.import_module(f"vericache_sglang.bench.{args.which}")
-    log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr))
-    summary = module.run(args.config, args.quick, args.out or RESULTS, log=log)
+    module = importlib.import_module(f"vericache_sglang.bench.{BENCH_MODULES.get(args.which, args.which)}")
+    # progress goes to stderr in both forms: a long run is never silent, and --json keeps stdout clean
+    summary = module.run(args.config, args.quick, args.out or RESULTS, log=lambda s: print(s, file=sys.stderr))
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
     return 0 if summary.get("identical", True) else 1
 
@@ -326,6 +329,17 @@ def _add_cluster_tools(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", type=Path)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_rag_client)
+    p = sub.add_parser("sglang-client", help="the demo cluster's SGLang client: questions about shared documents "
+                                             "to an SGLang server with --enable-vericache, checked against full-KV "
+                                             "decoding here")
+    p.add_argument("--server", required=True, help="the SGLang server's URL (http://HOST:PORT)")
+    p.add_argument("--documents", type=Path, nargs="+", required=True, help="text files, one document each")
+    p.add_argument("--question", action="append", help="a question to ask about every document (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--doc-chars", type=int, default=2500, help="characters of each file used as its document")
+    p.add_argument("--wait-s", type=float, default=900.0, help="how long to wait for the server")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=cmd_sglang_client)
     p = sub.add_parser("health", help="exit 0 when every URL's service answers (http, grpc, lmcache, redis)")
     p.add_argument("urls", nargs="+")
     p.set_defaults(func=cmd_health)
@@ -350,6 +364,17 @@ def cmd_rag_client(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_sglang_client(args: argparse.Namespace) -> int:
+    from vericache_sglang.serve import rag_client, sglang_client
+
+    log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    summary = sglang_client.run(args.server, args.documents, tuple(args.question or rag_client.QUESTIONS),
+                                args.max_tokens, args.doc_chars, args.wait_s, log)
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if summary["identical"] and summary["later_questions_cached"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vericache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -360,8 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compressors", help="list the compressors, their parameters and defaults")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compressors)
-    p = sub.add_parser("bench", help="run a benchmark: longctx (long-context decoding) or prefix (remote prefixes)")
-    p.add_argument("which", choices=("longctx", "prefix"))
+    p = sub.add_parser("bench", help="run a benchmark: longctx (long-context decoding), prefix (remote prefixes) or "
+                                     "sglang (stock SGLang against VeriCache servers on this CPU)")
+    p.add_argument("which", choices=("longctx", "prefix", "sglang"))
     p.add_argument("--quick", action="store_true", help="the small configuration CI runs")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--config", type=Path, help="config file (default: benchmarks/configs/WHICH.json)")

@@ -1,31 +1,41 @@
-"""Real SGLang server processes on this CPU for tests: SGLang's own launch command, as a user runs it.
+"""SGLang server processes on this CPU, for the SGLang benchmark and the end-to-end tests: SGLang's
+own launch command, as a user runs it.
 
 ``python -m sglang.launch_server --device cpu --attention-backend torch_native --dtype float32`` with
 ``SGLANG_USE_CPU_ENGINE=1`` (the CPU platform layer, ``vericache_sglang/sglang/cpu_platform.py``,
 comes in through the project's ``.pth`` file). Each server is a process group of its own, so a
-stop leaves nothing behind; ``--sleep-on-idle`` keeps an idle scheduler from spinning a core.
+stop leaves nothing behind. No sglang import here: the servers are other processes.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-from services import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32")
-# Small pools keep several servers within this machine's memory; stats every step keep the
-# token-usage gauges current for the tests that read them.
-TEST_ARGS = ("--max-total-tokens", "16384", "--sleep-on-idle", "--decode-log-interval", "1", "--enable-metrics",
-             "--enable-cache-report")
+# A small pool keeps several servers within a 24 GiB machine; --sleep-on-idle keeps an idle
+# scheduler from spinning a core; stats every step keep the token-usage gauge current.
+SMALL_SERVER_ARGS = ("--max-total-tokens", "16384", "--sleep-on-idle", "--decode-log-interval", "1",
+                     "--enable-metrics", "--enable-cache-report")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def model_dir() -> str:
@@ -50,7 +60,7 @@ class SGLangServer:
                  start_timeout: float = 300.0):
         self.name = name
         self.port = free_port()
-        args = [*TEST_ARGS, *extra]
+        args = [*SMALL_SERVER_ARGS, *extra]
         if vericache is not None:
             args += ["--enable-vericache", "--vericache-config", json.dumps(vericache)]
         self.command = launch_command(self.port, *args)
@@ -135,6 +145,116 @@ def group_alive(pid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+# -- requests through the official openai client ----------------------------------------------------
+
+MODEL = "default"
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request: ``kind`` "chat" or "completion", streamed or not."""
+
+    prompt: str
+    kind: str = "chat"
+    stream: bool = False
+    max_tokens: int = 64
+    params: dict[str, Any] = field(default_factory=dict)  # temperature, stop, logprobs, response_format, ...
+    system: str | None = None
+
+    def label(self) -> str:
+        return f"{self.kind}{'-stream' if self.stream else ''}"
+
+
+@dataclass
+class Answer:
+    text: str
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None  # non-streamed answers
+
+
+def ask(server: SGLangServer, q: Ask) -> Answer:
+    client = server.client()
+    params = {"temperature": 0.0, **q.params}
+    if q.kind == "completion":
+        if q.stream:
+            text, finish = "", None
+            for chunk in client.completions.create(model=MODEL, prompt=q.prompt, max_tokens=q.max_tokens, stream=True,
+                                                   **params):
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            return Answer(text, finish)
+        r = client.completions.create(model=MODEL, prompt=q.prompt, max_tokens=q.max_tokens, **params)
+        logprobs = r.choices[0].logprobs.token_logprobs if r.choices[0].logprobs else None
+        return Answer(r.choices[0].text, r.choices[0].finish_reason, logprobs, _cached(r), r.usage.completion_tokens)
+    messages = ([{"role": "system", "content": q.system}] if q.system else []) + [{"role": "user", "content": q.prompt}]
+    if q.stream:
+        text, finish = "", None
+        for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=q.max_tokens,
+                                                    stream=True, **params):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return Answer(text, finish)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=q.max_tokens, **params)
+    choice = r.choices[0]
+    logprobs = [t.logprob for t in choice.logprobs.content] if choice.logprobs and choice.logprobs.content else None
+    return Answer(choice.message.content or "", choice.finish_reason, logprobs, _cached(r), r.usage.completion_tokens)
+
+
+def _cached(r: Any) -> int | None:
+    details = getattr(r.usage, "prompt_tokens_details", None)
+    return getattr(details, "cached_tokens", None) if details is not None else None
+
+
+def ask_all(server: SGLangServer, questions: list[Ask]) -> list[Answer]:
+    """All at once (they run as one continuous batch on the server)."""
+    with cf.ThreadPoolExecutor(len(questions)) as pool:
+        return list(pool.map(lambda q: ask(server, q), questions))
+
+
+
+@dataclass
+class Load:
+    """A load's answers, its wall time and the device KV pool's peak token usage during it."""
+
+    answers: list[Answer]
+    seconds: float
+    peak_tokens: float
+
+
+def run_load(server: SGLangServer, questions: list[Ask], poll_s: float = 0.2) -> Load:
+    """All ``questions`` at once, SGLang's ``sglang:num_used_tokens`` (KV slots held by running
+    requests: the tree's evictable ones excluded) polled the while."""
+    peak, done = [0.0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], server.metrics().get("sglang:num_used_tokens", 0.0))
+            time.sleep(poll_s)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    t0 = time.perf_counter()
+    try:
+        answers = ask_all(server, questions)
+    finally:
+        seconds = time.perf_counter() - t0
+        done.set()
+        watcher.join()
+    return Load(answers, seconds, peak[0])
+
+
+def accepted_length(metrics: dict[str, float], before: dict[str, float] | None = None) -> float:
+    """Tokens committed per verification over a VeriCache server's drafting requests (its
+    ``/metrics``, since ``before`` when given)."""
+    before = before or {}
+    total = metrics["vericache_accepted_length_sum"] - before.get("vericache_accepted_length_sum", 0.0)
+    count = metrics["vericache_accepted_length_count"] - before.get("vericache_accepted_length_count", 0.0)
+    return total / count if count else 0.0
 
 
 def tokenizer() -> Any:
