@@ -14,7 +14,16 @@ import pytest
 from services import StoreServer, free_port
 from sglang_e2e import compare_answers, prompt
 
-from vericache_sglang.bench.sglang_server import REPO, Ask, SGLangServer, ask, cpu_env, group_alive, launch_command
+from vericache_sglang.bench.sglang_server import (
+    REPO,
+    Ask,
+    SGLangServer,
+    ask,
+    ask_all,
+    cpu_env,
+    group_alive,
+    launch_command,
+)
 
 pytestmark = [pytest.mark.sglang]
 
@@ -93,3 +102,37 @@ def test_a_store_that_dies_mid_generation_never_costs_a_verified_token(stock_ser
     finally:
         server.stop()
         store.stop()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_retracted_and_aborted_requests_leave_the_others_exact(stock_server, sglang_logs, exactness):
+    """SGLang retracts running requests when its pool runs short (they prefill again later, from
+    scratch): its own test switch (``SGLANG_TEST_RETRACT``) makes it retract every few steps here. A
+    client that walks away mid-stream aborts its request. Every answer that completes is stock
+    SGLang's, and the server keeps serving."""
+    server = SGLangServer(sglang_logs, "snapkv-retracting",
+                          vericache={"compressor": "snapkv:ratio=0.125", "horizon": 8},
+                          env={"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "7"})
+    try:
+        load = [Ask(prompt(name, 1000), kind, max_tokens=96) for name, kind in (
+            ("prose", "completion"), ("code", "completion"), ("tools", "completion"))]
+        client = server.client()
+        stream = client.completions.create(model="default", prompt=prompt("prose", 1400), max_tokens=200,
+                                           stream=True, temperature=0.0)
+        for i, _ in enumerate(stream):
+            if i == 5:
+                stream.close()  # the client leaves: SGLang aborts the request
+                break
+        expected = ask_all(stock_server, load)
+        got = ask_all(server, load)
+        for q, ref, out in zip(load, expected, got, strict=True):
+            cmp = compare_answers(ref, out)
+            exactness(f"sglang retractions {q.label()}", cmp)
+            assert cmp["identical"], (ref.text, out.text)
+        m = server.metrics()
+        assert m.get("sglang:num_retracted_requests_total", 0) > 0, "the load did not make SGLang retract"
+        after = ask(server, Ask("Say hello.", "chat", max_tokens=16))
+        assert after.text == ask(stock_server, Ask("Say hello.", "chat", max_tokens=16)).text
+    finally:
+        server.stop()

@@ -57,7 +57,7 @@ class SGLangServer:
     """One ``sglang.launch_server`` process (and the scheduler and detokenizer it spawns)."""
 
     def __init__(self, log_dir: Path, name: str, *extra: str, vericache: dict[str, Any] | None = None,
-                 start_timeout: float = 300.0):
+                 env: dict[str, str] | None = None, start_timeout: float = 300.0):
         self.name = name
         self.port = free_port()
         args = [*SMALL_SERVER_ARGS, *extra]
@@ -66,7 +66,7 @@ class SGLangServer:
         self.command = launch_command(self.port, *args)
         self.log_path = log_dir / f"{name}.log"
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command, cwd=REPO, env=cpu_env(), stdout=self.log,
+        self.proc = subprocess.Popen(self.command, cwd=REPO, env={**cpu_env(), **(env or {})}, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_healthy(start_timeout)
 

@@ -7,7 +7,8 @@ tokens' K (RoPE already applied at their true positions) and V copied into a pri
 carry their true positions, so any stock backend (triton, flashinfer, fa3, torch_native) computes
 exactly the attention a compressed-KV decoder computes. This module builds such a backend over the
 private pools (UNO's private-backend pattern); the worker selects it per pass through
-``ForwardContext``. GPU only in practice: on CPU SGLang cannot run a model (see the README).
+``ForwardContext``. On CPU the wrapped backend is torch_native (tested in real servers); on a GPU
+flashinfer, triton or fa3 (unverified).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ VERIFICATION_POLICIES = ("greedy", "rejection")
 # (self-speculation; no memory saved). "store": also written to the full-KV store after prefill
 # and after each verify (the device copy stays). "host": moved to SGLang's host pool after prefill
 # and after each verify, its device slots freed, and reloaded per layer for each verification at
-# the time the staggered scheduler plans (unverified: needs a GPU with sglang).
+# the time the staggered scheduler plans (tested on CPU in real servers; on a GPU unverified).
 FULL_KV_PLACES = ("device", "store", "host")
 MAX_HORIZON = 64
 # How each attention backend verifies a chain (``forward.py``): its own TARGET_VERIFY with SGLang's

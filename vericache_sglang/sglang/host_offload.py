@@ -15,9 +15,9 @@ positions live on the host; the vericache radix cache consults it when SGLang fr
 offloaded and given back when none is, so SGLang's idle leak check holds) and ``StaggeredReloads``
 (the core scheduler's plan carried out).
 
-UNVERIFIED: this runs inside the worker, which needs a GPU with sglang (see worker.py). The
-pieces it composes are tested on CPU on SGLang's objects (tests/test_sglang_host_tier.py,
-tests/test_sglang_offload.py).
+Tested on CPU inside real SGLang servers (tests/test_sglang_e2e_modes.py: answers identical to
+stock SGLang, the device pool's peak usage below stock's) and piece by piece on SGLang's objects
+(tests/test_sglang_host_tier.py, tests/test_sglang_offload.py); on a GPU unverified.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ The pieces are SGLang's own HiCache machinery, driven per request instead of per
 Copies: on CUDA with sgl_kernel, SGLang's ``kernel`` (or ``direct``) io backend. Where
 sgl_kernel's kvcacheio ops do not exist (CPU), the ``torch`` io backend copies with torch indexing
 into the same buffers; the engine, streams, events and counter around it are SGLang's. Only the
-``torch`` backend has run (CPU); the CUDA kernels and the overlap of a load with a verify pass
-are **unverified** (no machine here has a GPU with sglang).
+``torch`` backend has run (CPU, in real SGLang servers and unit tests); the CUDA kernels and the
+overlap of a load with a verify pass are **unverified** (no machine here has a GPU with sglang).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ are freed through ``free_kv_row``/``on_release``, which leave the offloaded posi
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,8 @@ class VeriCacheRadixCache(RadixCache):
         self._copies: dict[int, tuple[TreeNode, CompressedPrefix]] = {}  # by node id
         self.compressed_bytes = 0
         self.copies_evicted = 0
+        # called with a request's id when SGLang releases its row (finish, abort, retraction)
+        self.release_listeners: list[Callable[[str], None]] = getattr(self, "release_listeners", [])
         if self.token_to_kv_pool_allocator is not None:
             _TREES[id(self.token_to_kv_pool_allocator)] = self
 
@@ -146,6 +149,8 @@ class VeriCacheRadixCache(RadixCache):
         ledger = offload_for(self.token_to_kv_pool_allocator)
         if ledger is not None:
             ledger.release(req.rid)
+        for listener in self.release_listeners:
+            listener(req.rid)
 
     # -- keeping copies and tree together ------------------------------------------------------
 

@@ -9,8 +9,8 @@ on; after the verify pass, ``verified`` gives the slots back. Device slots for r
 between a reload's start and its verification, so the device holds the full KV of the requests
 verifying soon, not of every running request.
 
-UNVERIFIED on a GPU: the worker calls it through ``host_offload`` (``full_kv: "host"``); CPU tests
-run it on SGLang's pools with torch copies.
+Runs inside real SGLang servers on CPU (``full_kv: "host"``, tests/test_sglang_e2e_modes.py) and on
+SGLang's pools in unit tests; on a GPU, where a reload overlaps the verify pass, unverified.
 """
 
 from __future__ import annotations

@@ -229,10 +229,18 @@ class VeriCacheWorker(BaseSpecWorker):
             logger.warning("VeriCache: request %s has no draft row (%s); verified one token per step", req.rid, e)
         return full
 
+    def _tree(self) -> Any:
+        """The vericache radix cache (built after the worker's pools), told to report released rows:
+        a retracted or aborted request's draft row goes with its KV row."""
+        tree = tree_for(self.model_runner.token_to_kv_pool_allocator)
+        if tree is not None and self._forget not in tree.release_listeners:
+            tree.release_listeners.append(self._forget)
+        return tree
+
     def _prefix_copy(self, req: Any, cached: int, full: Any) -> CompressedPrefix | None:
         """The compressed copy of a cached prefix ``req`` continues (``cached`` tokens matched in
         the tree), or None when it shares too little to draft from one."""
-        tree = tree_for(self.model_runner.token_to_kv_pool_allocator)
+        tree = self._tree()
         node = getattr(req, "last_node", None)
         if tree is None or node is None or cached < MIN_SHARED_PREFIX or tree.path_len(node) != cached:
             return None
