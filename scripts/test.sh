@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The test suite (CI runs exactly this): unit tests on a tiny random Llama, the real-model set on
-# SmolLM2, kernel tests in the Triton interpreter. Extra arguments go to pytest (e.g. -m slow).
+# SmolLM2, kernel tests in the Triton interpreter, SGLang server processes on this CPU, the stores
+# (a redis-server and our store server are started by the tests unless CI's are given) and the
+# LMCache sidecar in its own environment. Extra arguments go to pytest (e.g. -m slow).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+./scripts/setup_lmcache.sh  # LMCache 0.5.6 in .venv-lmcache: without it its tests would skip
 exec .venv/bin/python -m pytest "$@"
