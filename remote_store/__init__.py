@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from remote_store.backends.base import ByteStore, StoreError
+from remote_store.backends.base import ByteStore, StoreConfigError, StoreError, refused
 from remote_store.codec import ChunkError
 
-__all__ = ["ByteStore", "ChunkError", "StoreError", "open_store"]
+__all__ = ["ByteStore", "ChunkError", "StoreConfigError", "StoreError", "connect_store", "open_store", "redact",
+           "refused"]
 
 SCHEMES = ("memory", "redis", "rediss", "grpc", "grpcs", "lmcache")
 # Link-emulator parameters, accepted on any URL and stripped before the backend sees it.
@@ -59,3 +60,37 @@ def open_store(url: str, memory_bandwidth: Callable[[], float] | None = None) ->
         ratio = link["link_ratio"]
         return LinkEmulator(store, memory_bandwidth() / ratio, latency, ratio=ratio)
     return LinkEmulator(store, link["link_gbps"] * 1e9, latency)
+
+
+def redact(url: str) -> str:
+    """``url`` without its secret (a token or password in the userinfo part)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
+def connect_store(url: str, memory_bandwidth: Callable[[], float] | None = None) -> ByteStore:
+    """``open_store``, then one round trip (``ByteStore.probe``): what starts on a store fails at
+    once, naming the URL (without its secret) and the cause, when the store cannot be used as
+    configured: an unknown scheme or malformed URL, refused or missing credentials, a TLS mismatch,
+    an address that does not answer. Later outages are the callers' to fall back from."""
+    try:
+        store = open_store(url, memory_bandwidth)
+    except (ValueError, OSError) as e:
+        raise StoreConfigError(f"store {redact(url)}: {e}") from None
+    try:
+        store.probe()
+    except StoreError as e:
+        store.close()
+        raise StoreConfigError(f"store {redact(url)} cannot be used ({_cause(e)}): {e}") from e
+    return store
+
+
+def _cause(error: StoreError) -> str:
+    text = str(error).lower()
+    if isinstance(error, StoreConfigError):
+        return "it refused this client's credentials"
+    if any(t in text for t in ("ssl", "tls", "handshake", "certificate")):
+        return "the TLS settings do not match the store's"
+    return "it does not answer"

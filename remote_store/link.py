@@ -62,6 +62,9 @@ class LinkEmulator(ByteStore):
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return self.inner.exists_many(keys)
 
+    def probe(self) -> None:
+        self.inner.probe()
+
     def delete_many(self, keys: Sequence[str]) -> int:
         return self.inner.delete_many(keys)
 

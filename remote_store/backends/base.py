@@ -12,6 +12,26 @@ class StoreError(RuntimeError):
     """The store failed: unreachable, refused, out of space, or timed out."""
 
 
+class StoreConfigError(StoreError):
+    """The store cannot be used as configured, and trying again will not change that: it refused
+    this client's credentials (wrong or missing), the TLS settings do not match, or (at start) its
+    address does not answer. An outage is a plain StoreError; this one stops what asked."""
+
+
+def refused(error: BaseException | None) -> bool:
+    """Whether ``error`` is, or was caused by, a store refusing this client (``StoreConfigError``)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, StoreConfigError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+PROBE_KEY = "vericache:probe"  # looked up (never written) to check a store answers and admits this client
+
+
 class ByteStore(ABC):
     """Records (bytes) by string key. Batched calls; a backend pipelines them where it can."""
 
@@ -52,6 +72,10 @@ class ByteStore(ABC):
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [r is not None for r in self.get_many(keys)]
+
+    def probe(self) -> None:
+        """One authenticated round trip (an existence check of ``PROBE_KEY``); raises StoreError."""
+        self.exists_many([PROBE_KEY])
 
     def pin(self, keys: Sequence[str]) -> None:
         """Protect keys from eviction until unpinned (counted: pin twice, unpin twice)."""

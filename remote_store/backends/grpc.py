@@ -15,10 +15,12 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import grpc
 
-from remote_store.backends.base import ByteStore, RangeRequest, StoreError
+from remote_store.backends.base import PROBE_KEY, ByteStore, RangeRequest, StoreConfigError, StoreError
 from remote_store.proto import MAX_MESSAGE_BYTES, store_pb2, store_pb2_grpc
 
 _PUT_BATCH_BYTES = 64 << 20
+PROBE_TIMEOUT_S = 5.0
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class GrpcStore(ByteStore):
@@ -54,11 +56,15 @@ class GrpcStore(ByteStore):
             self.channel = grpc.insecure_channel(target, options=options)
         self.stub = store_pb2_grpc.KVStoreStub(self.channel)
 
-    def _call(self, what: str, method, request):
+    def _error(self, what: str, e: grpc.RpcError) -> StoreError:
+        kind = StoreConfigError if e.code() in _REFUSED else StoreError
+        return kind(f"store {what} failed at {self.url}: {e.code().name}: {e.details()}")
+
+    def _call(self, what: str, method, request, timeout_s: float | None = None):
         try:
-            return method(request, timeout=self.timeout_s, metadata=self._metadata)
+            return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise StoreError(f"store {what} failed at {self.url}: {e.code().name}: {e.details()}") from e
+            raise self._error(what, e) from e
 
     def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None) -> None:
         batch, size = [], 0
@@ -91,7 +97,7 @@ class GrpcStore(ByteStore):
                         yield []
                         group += 1
         except grpc.RpcError as e:
-            raise StoreError(f"store {what} failed at {self.url}: {e.code().name}: {e.details()}") from e
+            raise self._error(what, e) from e
         if group != len(sizes):
             raise StoreError(f"store stream ended after {group} of {len(sizes)} groups")
 
@@ -117,6 +123,10 @@ class GrpcStore(ByteStore):
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return list(self._call("exists", self.stub.Exists, store_pb2.KeysRequest(keys=list(keys))).exists)
+
+    def probe(self) -> None:
+        # a short deadline: at start an address that does not answer is a configuration error
+        self._call("probe", self.stub.Exists, store_pb2.KeysRequest(keys=[PROBE_KEY]), timeout_s=PROBE_TIMEOUT_S)
 
     def delete_many(self, keys: Sequence[str]) -> int:
         return self._call("delete", self.stub.Delete, store_pb2.KeysRequest(keys=list(keys))).deleted

@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 
-from remote_store.backends.base import ByteStore, RangeRequest, StoreError
+from remote_store.backends.base import ByteStore, RangeRequest, StoreConfigError, StoreError
 
 _OWN_PARAMS = ("default_ttl_s", "timeout_s")
 _BATCH_BYTES = 32 << 20
@@ -55,6 +55,14 @@ return 0
 """
 
 
+def _refused(e: redis.RedisError) -> bool:
+    """Whether Redis refused this client's credentials (wrong, missing, or for a user it lacks)."""
+    if isinstance(e, redis.AuthenticationError | redis.AuthenticationWrongNumberOfArgsError):
+        return True
+    text = str(e)
+    return isinstance(e, redis.ResponseError) and any(t in text for t in ("NOAUTH", "WRONGPASS", "NOPERM"))
+
+
 def _pin_key(key: str) -> str:
     return f"pin:{key}"
 
@@ -79,7 +87,8 @@ class RedisStore(ByteStore):
         try:
             return fn()
         except redis.RedisError as e:
-            raise StoreError(f"redis {what} failed at {self.url}: {e}") from e
+            kind = StoreConfigError if _refused(e) else StoreError
+            raise kind(f"redis {what} failed at {self.url}: {e}") from e
 
     def _ttl_ms(self, ttl_s: float | None) -> int:
         return self.default_ttl_ms if ttl_s is None else max(1, int(ttl_s * 1000))

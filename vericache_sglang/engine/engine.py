@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from remote_store import ChunkError, StoreError, open_store
+from remote_store import ChunkError, StoreConfigError, StoreError, connect_store
 from remote_store.fullkv import DEFAULT_CHUNK_TOKENS, FullKVStore
 from remote_store.link import LinkEmulator
 from vericache_sglang.core.compress import Compressor, parse_spec
@@ -45,7 +45,8 @@ class Engine:
         self.runner = ModelRunner(self.loaded, row_bucket=BATCH_INVARIANT_ROWS if batch_invariant else 0,
                                   row_attention=batch_invariant)
         self.tokenizer = self.loaded.tokenizer
-        backend = open_store(store, memory_bandwidth=lambda: memory_bandwidth(str(self.runner.device)))
+        # a store that cannot be used as configured fails here, before anything runs on it
+        backend = connect_store(store, memory_bandwidth=lambda: memory_bandwidth(str(self.runner.device)))
         self.store = FullKVStore(backend, self.runner.layout, namespace, chunk_tokens)
         self.progress = progress
 
@@ -86,6 +87,8 @@ class Engine:
                 found = self.store.longest_prefix(tokens)
                 if found:
                     prefix = self.store.load_prefix(tokens, found)
+            except StoreConfigError:
+                raise  # refused: never silently computed around
             except (StoreError, ChunkError) as e:
                 log.warning("prefix reuse skipped, the store failed: %s", e)
                 prefix = None

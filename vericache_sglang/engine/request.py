@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from remote_store import refused
 from remote_store.fullkv import FullKVStore
 from vericache_sglang.core.accept import Verdict, greedy_accept, rejection_accept
 from vericache_sglang.core.compress import Compressor
@@ -161,8 +162,13 @@ class VeriCacheRequest:
         return waited
 
     def recover(self, error: BaseException) -> None:
-        """A fetch failed: fail the request (nothing unverified was emitted) or recompute the full KV."""
+        """A fetch failed: fail the request (nothing unverified was emitted) or recompute the full KV.
+        A store that refused this server's credentials fails it whatever the setting: recomputing
+        would hide a misconfiguration behind every request from then on."""
         self.feed.join()
+        if refused(error):
+            raise FetchError(f"verification failed, no unverified token emitted: the store refused this "
+                             f"server: {error}") from error
         if self.cfg.on_store_error == "fail":
             raise FetchError(f"verification failed, no unverified token emitted: {error}") from error
         log.warning("request %s: full-KV fetch failed (%s); recomputing the full KV", self.request_id, error)

@@ -23,6 +23,8 @@ class Metrics:
                                  registry=r)
         self.store_errors = Counter("vericache_store_errors", "Fetches that failed and fell back or failed the request",
                                     registry=r)
+        self.store_refused = Counter("vericache_store_refused", "Requests failed because the store refused this "
+                                     "server's credentials (a misconfiguration, never computed around)", registry=r)
         self.decode_rate = Gauge("vericache_decode_tokens_per_second", "Decode rate of the last finished request",
                                  registry=r)
         self.prefix_hits = Counter("vericache_prefix_hits", "Requests started over a shared document's "

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from remote_store.backends.base import StoreError
+from remote_store.backends.base import StoreError, refused
 from vericache_sglang.core.compress import Compressor, SpecError, parse_spec
 from vericache_sglang.core.sampling import SamplingParams
 from vericache_sglang.engine.batch import BatchConfig, BatchEngine
@@ -322,6 +322,9 @@ class EngineService:
 
     def _failed(self, handle: Handle, error: BaseException) -> None:
         self.metrics.failed("error")
+        if refused(error):
+            self.metrics.store_refused.inc()
+            log.error("the full-KV store refused this server's credentials: %s", error)
         self._release()
         handle.events.put(("error", error))
 

@@ -51,11 +51,19 @@ class WorkerMetrics:
                                           names).labels(**labels)
         self.prefix_copy_hits = Counter("vericache_prefix_copy_hits", "Requests that drafted over a cached prefix's "
                                         "existing compressed copy", names).labels(**labels)
-        self.store_errors = Counter("vericache_store_errors", "Store operations that failed", names).labels(**labels)
+        # kind: "outage" (the store failed; the device copy serves on) or "refused" (it refused this
+        # server's credentials: a misconfiguration, logged as an error)
+        self._store_errors = Counter("vericache_store_errors", "Store operations that failed, by kind",
+                                     [*names, "kind"])
+        for kind in ("outage", "refused"):  # both series exist from the start, at 0
+            self._store_errors.labels(**labels, kind=kind)
         self.compressed_kv = Gauge("vericache_compressed_kv_bytes", "Compressed KV held for drafting", names,
                                    multiprocess_mode="livesum").labels(**labels)
         self.verify_seconds = Histogram("vericache_step_seconds", "Draft-and-verify step time", names,
                                         buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)).labels(**labels)
+
+    def store_error(self, kind: str) -> None:
+        self._store_errors.labels(**self.labels, kind=kind).inc()
 
     def verified(self, accepted: list[int], horizon: int, seconds: float, undrafted: int = 0) -> None:
         """One draft-and-verify step: ``accepted[i]`` drafts accepted for drafting request i (each

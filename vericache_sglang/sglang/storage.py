@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from remote_store import open_store
+from remote_store import connect_store
 from remote_store.codec import KIND_PACKED, ChunkError, ChunkHeader, check, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
         self.config = storage_config
         self.namespace = str(extra.get("namespace", "hicache"))
         self.ttl_s = float(extra["ttl_s"]) if extra.get("ttl_s") else None
-        self.store = open_store(url)
+        self.store = connect_store(url)  # a store that cannot be used as configured fails the launch
         self.mem_pool_host: Any = None
         self._layout_digest: str | None = None
         self.stats_pages = {"set": 0, "get_hit": 0, "get_miss": 0, "get_bad": 0, "store_errors": 0}

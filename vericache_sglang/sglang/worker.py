@@ -48,6 +48,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
+from remote_store import refused
 from vericache_sglang.core.accept import Verdict
 from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.core.sampling import Sampler
@@ -127,10 +128,11 @@ class VeriCacheWorker(BaseSpecWorker):
             device=str(self.device))
         setattr(runner, RUNNER_ATTR, self.draft_pool.pools)
         if self.cfg.full_kv == "store":
-            from remote_store import open_store
+            from remote_store import connect_store
             from remote_store.fullkv import FullKVStore
 
-            self.store = FullKVStore(open_store(self.cfg.store), self.layout, namespace="sglang")
+            # a store that cannot be used as configured fails the launch here, naming it and why
+            self.store = FullKVStore(connect_store(self.cfg.store), self.layout, namespace="sglang")
         if self.cfg.full_kv == "host":
             from vericache_sglang.sglang.host_offload import HostOffload
 
@@ -400,10 +402,14 @@ class VeriCacheWorker(BaseSpecWorker):
         try:
             handle.write(start, full.layers)
         except Exception as e:  # a store outage must not fail the step
-            logger.warning("VeriCache: full-KV store write for request %s failed (%s); its KV stays on the device "
-                           "only", rid, e)
+            if refused(e):
+                logger.error("VeriCache: the full-KV store refused this server's credentials (%s); request %s's KV "
+                             "stays on the device only", e, rid)
+            else:
+                logger.warning("VeriCache: full-KV store write for request %s failed (%s); its KV stays on the "
+                               "device only", rid, e)
             if self.metrics is not None:
-                self.metrics.store_errors.inc()
+                self.metrics.store_error("refused" if refused(e) else "outage")
             self._requests.pop(rid, None)
             with contextlib.suppress(Exception):
                 handle.release()
