@@ -180,6 +180,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=8192)
     p.add_argument("--max-tokens", type=int, default=2048, help="the most a request may ask for")
     p.add_argument("--max-concurrency", type=int, default=16, help="requests in flight; more get HTTP 429")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="a request body larger than this gets HTTP 413 before it is parsed")
     p.add_argument("--api-key-file", type=Path, help="require 'Authorization: Bearer <key>' (key read from file)")
     p.add_argument("--prefix-compressor", default="kvzip:ratio=0.25",
                    help="compressor of shared documents' copies ('none': no shared documents); it never sees "
@@ -227,7 +229,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _signum, _frame: None)
     try:
-        uvicorn.run(create_app(service, name, api_key), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(create_app(service, name, api_key, args.max_body_bytes), host=args.host, port=args.port,
+                    log_level=args.log_level)
     finally:
         service.stop()
     return 0

@@ -4,7 +4,11 @@ register, list, remove). Field names follow OpenAI and, where it
 adds some (``top_k``), SGLang; per-request VeriCache options go in a ``vericache`` object
 (``compressor``, ``horizon``, ``adaptive_horizon``) and every response carries the request's
 verification statistics under ``vericache``. Streamed text only ever holds verified tokens, and
-is held back where it could still turn out to be part of a stop string."""
+is held back where it could still turn out to be part of a stop string.
+
+Every request field is honoured or refused: an unknown field, a value of the wrong type, out of
+range or not finite, and a field this server does not implement yet (``REFUSED``) are 400s naming
+the field; a body over ``max_body_bytes`` is a 413 before anything parses it."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import hmac
 import json
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,37 +29,64 @@ from vericache_sglang.engine.prefix import document_tokens
 from vericache_sglang.serve.service import EngineService, Handle, ServeError
 
 STREAM_IDLE_S = 600.0  # a stream with no event for this long ends with an error
+MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused before it is parsed
+# OpenAI fields this server does not implement yet, with their neutral values: a request that sets
+# one to anything else is refused with a 400 naming it (never silently ignored).
+REFUSED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "response_format": None,
+           "tools": None, "tool_choice": None, "parallel_tool_calls": None, "functions": None, "function_call": None,
+           "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None}
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class VeriCacheOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     compressor: str | None = None
     horizon: int | None = None
     adaptive_horizon: bool = False
     check: bool = False  # also decode with the full KV and report the comparison (slow: a full decode)
 
 
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = True  # the last chunk carries usage either way
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields this server does not use
+    model_config = _STRICT
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    stop: str | list[str] | None = Field(None, max_length=16)
     stream: bool = False
-    n: int = 1
-    logprobs: bool | int | None = None
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = Field(None, max_length=256)  # an end-user id: accepted, not used
     vericache: VeriCacheOptions = Field(default_factory=VeriCacheOptions)
+    # refused unless neutral (REFUSED)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=1)  # the chosen tokens' log-probabilities only
+    echo: bool = False
+    best_of: int = Field(1, ge=1)
+    suffix: str | None = None
 
 
 class DocumentRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     name: str | None = None
     text: str | None = None
     role: str = "system"  # the chat-template segment it is rendered as; "raw": plain text tokens
@@ -63,13 +94,17 @@ class DocumentRequest(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: str
+    model_config = _STRICT
+    role: Literal["system", "user", "assistant"]  # "tool" needs tool calls, which are refused (REFUSED)
     content: str
+    name: str | None = None
 
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=20)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -109,8 +144,53 @@ class TextDeltas:
         return final[len(self.sent) :] if final.startswith(self.sent) else ""
 
 
-def create_app(service: EngineService, model_name: str, api_key: str | None = None) -> FastAPI:
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is answered 413 before any of it is parsed,
+    by its Content-Length or, without one, as it streams in (the body is read here, up to the limit,
+    and handed on whole)."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+        delivered = False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        await _error(413, f"the request body is over {self.max_bytes} bytes", param="body")(scope, receive, send)
+
+
+def _refused_fields(req: BaseModel) -> list[str]:
+    return [name for name, neutral in REFUSED.items()
+            if name in req.model_fields_set and getattr(req, name, neutral) not in (neutral, None)]
+
+
+def create_app(service: EngineService, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="VeriCache", version="0.1")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     tokenizer = service.engine.tokenizer
 
     @app.exception_handler(ServeError)
@@ -147,6 +227,9 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
                                             "created": 0}]}
 
     def submit(req: _Common, tokens: list[int], max_tokens: int | None) -> tuple[Handle, tuple[str, ...]]:
+        refused = _refused_fields(req)
+        if refused:
+            raise ServeError(400, f"{refused[0]} is not supported by this server yet", param=refused[0])
         if req.n != 1:
             raise ServeError(400, "n > 1 is not supported", param="n")
         if req.model not in (None, model_name):
