@@ -34,6 +34,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="sampling acceptance: exact (identical to full-KV sampling with the same seed) or "
                         "speculative rejection sampling (lossless in distribution)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--response-format", help="a grammar every token follows: an OpenAI response_format as JSON "
+                                             "(json_object, json_schema; or {\"type\": \"regex\"|\"ebnf\", ...}) "
+                                             "or @FILE holding one")
     p.add_argument("--logprobs", action="store_true", help="report the verifier's logprob of each token")
     p.add_argument("--store", default="memory://",
                    help="full-KV store URL: memory:// (default), redis[s]://, grpc[s]://; add "
@@ -73,9 +76,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     namespace=args.store_namespace, progress=progress,
                     batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
     tokens = engine.encode(prompt, chat=not args.raw)
+    constraint = None
+    if args.response_format:
+        text = args.response_format
+        text = Path(text[1:]).read_text() if text.startswith("@") else text
+        try:
+            constraint = engine.constraint(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--response-format is not JSON: {e}") from None
     cfg = engine.config(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
                         horizon=args.horizon, adaptive_horizon=args.adaptive_horizon, verify=args.verify,
-                        logprobs=args.logprobs, keep_logits=args.check, on_store_error=args.on_store_error)
+                        logprobs=args.logprobs, keep_logits=args.check, on_store_error=args.on_store_error,
+                        constraint=constraint)
     pre = engine.prefill(tokens)
     result = engine.generate(pre, "vericache", compressor, cfg)
     report: dict[str, object] = {

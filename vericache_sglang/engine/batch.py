@@ -188,6 +188,8 @@ class BatchEngine:
                on_done: Callable[[GenerationResult], None] | None = None,
                on_error: Callable[[BaseException], None] | None = None) -> None:
         """Queue a prefilled request; ``gen`` and ``compressor`` default to the engine's."""
+        if (gen or self.gen).constraint is not None and self.batch.mode != "vericache":
+            raise ValueError(f"constrained decoding runs in the batch's 'vericache' mode, not {self.batch.mode!r}")
         self._queue(Job(request_id, pre, gen or self.gen, compressor or self.compressor, on_commit, on_done,
                         on_error))
 

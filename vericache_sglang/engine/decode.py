@@ -102,11 +102,21 @@ def prefill(runner: ModelRunner, tokens: Sequence[int], chunk: int = 512, progre
 def _decode_one_by_one(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig, out: Output,
                        context: Callable[[], ContextKV], after: Callable[[int, SegmentOutput], None] | None = None,
                        keep_queries: int = 0) -> None:
-    """Commit the prefill's token, then one token per forward over ``context()`` until the stop."""
+    """Commit the prefill's token, then one token per forward over ``context()`` until the stop.
+    With a constraint, each token is chosen from the logits its grammar allows there."""
     sampler = Sampler(cfg.sampling)
+    state = cfg.constraint.state() if cfg.constraint is not None else None
+
+    def choose(logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor]:
+        if state is not None:
+            logits = state.apply(logits)
+        token = int(sampler.sample(logits, [pos])[0])
+        if state is not None:
+            state.advance(token)
+        return token, logits
+
     pos = len(pre.tokens)
-    logits = pre.logits[None]
-    token = int(sampler.sample(logits, [pos])[0])
+    token, logits = choose(pre.logits[None], pos)
     out.commit([token], logits)
     while not out.stop.done and pos + 1 < runner.max_positions:
         step = runner.forward([Segment([token], [pos], context(), logits="last", keep_queries=keep_queries)])[0]
@@ -114,8 +124,7 @@ def _decode_one_by_one(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig,
             after(pos, step)
         out.stats.decode_steps += 1
         pos += 1
-        logits = step.logits
-        token = int(sampler.sample(logits, [pos])[0])
+        token, logits = choose(step.logits, pos)
         out.commit([token], logits)
     out.stats.prefill_s = pre.seconds
 

@@ -11,6 +11,7 @@ from remote_store import ChunkError, StoreConfigError, StoreError, connect_store
 from remote_store.fullkv import DEFAULT_CHUNK_TOKENS, FullKVStore
 from remote_store.link import LinkEmulator
 from vericache_sglang.core.compress import Compressor, parse_spec
+from vericache_sglang.engine.constraint import Constraint, ConstraintCompiler
 from vericache_sglang.engine.decode import (
     GenerationConfig,
     GenerationResult,
@@ -49,6 +50,7 @@ class Engine:
         backend = connect_store(store, memory_bandwidth=lambda: memory_bandwidth(str(self.runner.device)))
         self.store = FullKVStore(backend, self.runner.layout, namespace, chunk_tokens)
         self.progress = progress
+        self._constraints: ConstraintCompiler | None = None
 
     def store_report(self) -> dict[str, object]:
         """The store URL and, behind a link emulator, the emulated link against the measured memory."""
@@ -94,6 +96,13 @@ class Engine:
                 prefix = None
         return prefill(self.runner, tokens, progress=self.progress, prefix=prefix)
 
+    def constraint(self, response_format: dict) -> Constraint:
+        """A grammar for this model's tokenizer from an OpenAI ``response_format`` (or this project's
+        regex / EBNF forms); ConstraintError when it cannot be compiled."""
+        if self._constraints is None:
+            self._constraints = ConstraintCompiler(self.tokenizer, self.runner.vocab_size)
+        return self._constraints.compile(response_format)
+
     def config(self, **kwargs: object) -> GenerationConfig:
         """A generation config with this model's EOS tokens filled in."""
         kwargs.setdefault("eos_token_ids", self.eos_token_ids)
@@ -122,8 +131,13 @@ def compare(reference: GenerationResult, result: GenerationResult) -> dict[str, 
     diff = None
     if reference.logits is not None and result.logits is not None:
         upto = n if mismatch is None else mismatch + 1
-        diffs = [float((a - b).abs().max()) for a, b in zip(reference.logits[:upto], result.logits[:upto],
-                                                            strict=True)]
+        diffs = [_finite_diff(a, b) for a, b in zip(reference.logits[:upto], result.logits[:upto], strict=True)]
         diff = max(diffs) if diffs else 0.0
     return {"identical": identical, "first_mismatch": mismatch, "compared_tokens": n,
             "max_logit_abs_diff": diff}
+
+
+def _finite_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference of two logit rows where both are finite (a grammar masks the rest)."""
+    both = torch.isfinite(a) & torch.isfinite(b)
+    return float((a[both] - b[both]).abs().max()) if bool(both.any()) else 0.0

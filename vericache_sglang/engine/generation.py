@@ -11,6 +11,7 @@ import torch
 from vericache_sglang.core.compress import Observation
 from vericache_sglang.core.kv import FullKV
 from vericache_sglang.core.sampling import SamplingParams
+from vericache_sglang.engine.constraint import Constraint
 from vericache_sglang.engine.stop import StopChecker
 
 
@@ -37,6 +38,7 @@ class GenerationConfig:
     keep_logits: bool = False  # keep the logits of every committed token (for --check)
     on_store_error: str = "recompute"  # "recompute" the full KV and go on, or "fail" the request
     fetch_timeout_s: float = 120.0
+    constraint: Constraint | None = None  # a grammar every chosen token follows (structured outputs)
 
     def __post_init__(self) -> None:
         if self.horizon < 1:

@@ -64,6 +64,12 @@ class VeriCacheRequest:
         self.first_token_s: float | None = None  # time to the first committed token
         self.drafts: list[int] = []
         self.draft_probs: list[torch.Tensor] = []
+        # With a constraint: the grammar's state after the committed tokens (walked along the drafts
+        # and rolled back), and the mask it gave before each draft (reused by the verification).
+        self.grammar = cfg.constraint.state() if cfg.constraint is not None else None
+        self.draft_masks: list[torch.Tensor] = []
+        self._grammar_walked = 0  # drafts the grammar took this window
+        self._grammar_halted = False  # a draft it could not take: drafting stops there
         self.x = 0
         self._draft_ctx: DraftKV | None = None
         # Measured costs for the adaptive horizon (exponential averages): per draft step, per verify
@@ -80,8 +86,11 @@ class VeriCacheRequest:
             self.exact_upto = len(self.tokens)
             self.pending: tuple[int, list] | None = (0, pre.kv.layers)  # written by the first fetch
             self.stats.prefill_s = pre.seconds
-            first = int(self.sampler.sample(pre.logits[None], [len(self.tokens)])[0])
-            self._commit([first], pre.logits[None])
+            logits = pre.logits[None] if self.grammar is None else self.grammar.apply(pre.logits[None])
+            first = int(self.sampler.sample(logits, [len(self.tokens)])[0])
+            self._commit([first], logits)
+            if self.grammar is not None:
+                self.grammar.advance(first)
         else:
             if prompt is None or prefix_ckv is None or not 0 < prefix_len < len(prompt):
                 raise ValueError("a request without a prefill needs its prompt, a compressed prefix and its "
@@ -180,13 +189,14 @@ class VeriCacheRequest:
     def begin_window(self, x: int) -> None:
         self._window_started = time.monotonic()
         self.x = x
-        self.drafts, self.draft_probs = [], []
+        self.drafts, self.draft_probs, self.draft_masks = [], [], []
+        self._grammar_walked, self._grammar_halted = 0, False
         self._draft_ctx = DraftKV(self.ckv)
 
     @property
     def drafting(self) -> bool:
         eos = self.drafts and self.drafts[-1] in self.cfg.eos_token_ids  # nothing after an end is committed
-        return len(self.drafts) < self.x and not eos
+        return len(self.drafts) < self.x and not eos and not self._grammar_halted
 
     def draft_segment(self) -> Segment:
         if not self.drafts:  # the committed tokens without exact KV (usually just the last one)
@@ -196,13 +206,23 @@ class VeriCacheRequest:
 
     def take_draft(self, out: SegmentOutput) -> None:
         pos = len(self.tokens) + len(self.drafts)  # the drafted token's position
+        logits = out.logits
+        if self.grammar is not None:
+            mask = self.grammar.mask()
+            self.draft_masks.append(mask)
+            logits = self.grammar.apply(logits, mask)
         if self.rejection:
-            self.draft_probs.append(self.sampler.probs(out.logits)[0])
-            token = int(self.sampler.sample(out.logits, [pos], STREAM_DRAFT)[0])
+            self.draft_probs.append(self.sampler.probs(logits)[0])
+            token = int(self.sampler.sample(logits, [pos], STREAM_DRAFT)[0])
         else:
-            token = int(self.sampler.sample(out.logits, [pos])[0])
+            token = int(self.sampler.sample(logits, [pos])[0])
         self.drafts.append(token)
         self.stats.decode_steps += 1
+        if self.grammar is not None:
+            if self.grammar.advance(token):
+                self._grammar_walked += 1
+            else:  # complete, or the draft is not in it: nothing after it can be verified as drafted
+                self._grammar_halted = True
 
     # verification
     def verify_segment(self) -> Segment:
@@ -227,8 +247,13 @@ class VeriCacheRequest:
         self.last_read_bytes = feed.bytes_fetched
         n, q = len(self.tokens), len(self.tokens) - self.exact_upto
         logits = out.logits[q - 1 :]  # the rows that predict positions n, n + 1, ...
+        if self.grammar is not None:
+            logits = self._constrained(logits)
         verdict = self._accept(logits, list(range(n - 1, n + len(self.drafts))))
         taken = self._commit(verdict.tokens, logits[: len(verdict.tokens)])
+        if self.grammar is not None:
+            for token in verdict.tokens[:taken]:
+                self.grammar.advance(token)
         # Inputs whose K/V is now exact and committed: the q committed inputs, then the drafts up to
         # (not including) the last committed token, which is the next input.
         m = q + taken - 1
@@ -244,8 +269,23 @@ class VeriCacheRequest:
         stats.drafted.append(len(self.drafts))
         stats.accepted.append(verdict.accepted)
         stats.committed.append(taken)
-        self.drafts, self.draft_probs, self._draft_ctx = [], [], None
+        self.drafts, self.draft_probs, self.draft_masks, self._draft_ctx = [], [], [], None
         return verdict
+
+    def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
+        """The verification rows masked as full-KV constrained decoding masks them: each draft's
+        position by the mask drafting used there, the bonus position by the state after every
+        draft; then the grammar goes back to the committed state."""
+        k = len(self.drafts)
+        masks = list(self.draft_masks)
+        if not self.grammar.terminated and not self._grammar_halted:
+            masks.append(self.grammar.mask())
+        self.grammar.rollback(self._grammar_walked)
+        self._grammar_walked = 0
+        rows = logits[: k + 1].float().clone()
+        if masks:
+            rows[: len(masks)] = self.grammar.apply(rows[: len(masks)], torch.cat(masks))
+        return rows
 
     def _measure(self, feed: FullKVFetch | ResidentFeed) -> None:
         now = time.monotonic()

@@ -32,7 +32,7 @@ STREAM_IDLE_S = 600.0  # a stream with no event for this long ends with an error
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused before it is parsed
 # OpenAI fields this server does not implement yet, with their neutral values: a request that sets
 # one to anything else is refused with a 400 naming it (never silently ignored).
-REFUSED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "response_format": None,
+REFUSED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "functions": None, "function_call": None,
            "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None}
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
@@ -244,7 +244,8 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         v = req.vericache
         handle = service.submit(tokens, max_new_tokens=16 if max_tokens is None else max_tokens, sampling=sampling,
                                 stop=stop, compressor=v.compressor, horizon=v.horizon,
-                                adaptive_horizon=v.adaptive_horizon, logprobs=bool(req.logprobs), check=v.check)
+                                adaptive_horizon=v.adaptive_horizon, logprobs=bool(req.logprobs), check=v.check,
+                                response_format=req.response_format)
         return handle, stop
 
     def wait(handle: Handle) -> GenerationResult:

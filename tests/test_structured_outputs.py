@@ -1,0 +1,115 @@
+"""Structured outputs with VeriCache, lossless: a grammar's token masks (xgrammar) applied alike to
+drafts and to the verification, the matcher rolled back past rejected drafts; VeriCache's output is
+full-KV constrained decoding's, token for token, greedy and seeded, on SmolLM2. Through the engine
+and through ``vericache serve`` with the official openai client."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from conftest import PROMPTS
+
+from vericache_sglang.core.sampling import SamplingParams
+from vericache_sglang.engine.constraint import ConstraintError
+from vericache_sglang.engine.engine import compare
+
+pytestmark = pytest.mark.real_model
+
+CALL = {"type": "object", "properties": {"tool": {"type": "string", "maxLength": 40},
+                                         "arguments": {"type": "object"}},
+        "required": ["tool", "arguments"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "call", "schema": CALL}}
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+ID = {"type": "string", "maxLength": 12}
+REFUND = {"type": "object", "properties": {
+    "tool": {"enum": ["create_refund", "search_orders"]},
+    "arguments": {"type": "object", "properties": {"order_id": ID, "customer_id": ID},
+                  "required": ["order_id", "customer_id"], "additionalProperties": False}},
+    "required": ["tool", "arguments"], "additionalProperties": False}
+
+
+def _check(real_engine, exactness, name: str, sampling: SamplingParams, new: int = 64):
+    constraint = real_engine.constraint(FORMAT)
+    pre = real_engine.prefill(real_engine.encode((PROMPTS / f"{name}.txt").read_text()), reuse_prefix=False)
+    cfg = real_engine.config(max_new_tokens=new, horizon=16, keep_logits=True, constraint=constraint, sampling=sampling)
+    ref = real_engine.generate(pre, "full", cfg=cfg)
+    out = real_engine.generate(pre, "vericache", "snapkv:ratio=0.125", cfg=cfg)
+    cmp = compare(ref, out)
+    label = "greedy" if sampling.greedy else "T=0.8"
+    exactness(f"SmolLM2 json_schema {name} {label}", cmp, mean_accepted_length=out.stats.mean_accepted_length)
+    assert cmp["identical"], (ref.text, out.text)
+    assert out.text.startswith("{")
+    if out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text), CALL)
+    return out
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_json_schema_on_the_prose_prompt_is_full_kv_constrained_decoding(real_engine, exactness, sampling):
+    _check(real_engine, exactness, "prose", sampling)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["code", "tools"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_json_schema_on_every_real_prompt(real_engine, exactness, name, sampling):
+    _check(real_engine, exactness, name, sampling, new=256)
+
+
+def test_formats_that_cannot_be_compiled_say_why(real_engine):
+    for bad, message in [({"type": "json_schema", "json_schema": {}}, "schema must be a JSON Schema object"),
+                         ({"type": "xml"}, "not one of json_object, json_schema, regex, ebnf"),
+                         ({"type": "regex", "regex": "("}, "response_format: "),
+                         ({"type": "ebnf", "ebnf": "root ::= "}, "response_format: ")]:
+        with pytest.raises(ConstraintError, match=message):
+            real_engine.constraint(bad)
+
+
+@pytest.fixture(scope="module")
+def server(real_engine):
+    import threading
+
+    import uvicorn
+    from services import free_port
+
+    from vericache_sglang.serve.openai_api import create_app
+    from vericache_sglang.serve.service import EngineService, Limits
+
+    service = EngineService(real_engine, "snapkv:ratio=0.125", horizon=16,
+                            limits=Limits(max_prompt_tokens=4096, max_new_tokens=256, max_concurrency=4))
+    service.start()
+    port = free_port()
+    web = uvicorn.Server(uvicorn.Config(create_app(service, "smollm2"), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    while not web.started:
+        thread.join(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+    web.should_exit = True
+    thread.join(30)
+    service.stop()
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.95, "seed": 7}],
+                         ids=["greedy", "sampled"])
+def test_response_format_through_the_openai_client(server, exactness, params):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server, api_key="none", max_retries=0, timeout=600)
+    refund = {"type": "json_schema", "json_schema": {"name": "refund", "schema": REFUND}}
+    r = client.chat.completions.create(
+        model="smollm2", max_tokens=96, response_format=refund, extra_body={"vericache": {"check": True}},
+        messages=[{"role": "user", "content": "Call the tool that refunds order O-1 for customer C-9, as JSON."}],
+        **params)
+    check = r.model_extra["vericache"]["check"]
+    exactness(f"SmolLM2 server response_format {'greedy' if params['temperature'] == 0 else 'T=0.8'}", check)
+    assert check["identical"], check
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema.validate(json.loads(r.choices[0].message.content), REFUND)
+    r = client.chat.completions.create(model="smollm2", max_tokens=64, response_format={"type": "json_object"},
+                                       messages=[{"role": "user", "content": "Three colours as JSON."}], **params)
+    if r.choices[0].finish_reason == "stop":
+        json.loads(r.choices[0].message.content)  # any JSON
