@@ -113,3 +113,59 @@ def test_response_format_through_the_openai_client(server, exactness, params):
                                        messages=[{"role": "user", "content": "Three colours as JSON."}], **params)
     if r.choices[0].finish_reason == "stop":
         json.loads(r.choices[0].message.content)  # any JSON
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": CITY}},
+         {"type": "function", "function": {"name": "get_time", "description": "Current time in a city",
+                                           "parameters": CITY}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.95, "seed": 7}],
+                         ids=["greedy", "sampled"])
+def test_a_required_tool_call_is_full_kv_decodings_and_parses_into_tool_calls(server, exactness, params):
+    """tool_choice "required" constrains the answer to SmolLM2's call list (the grammar of the
+    tools' parameters); the answer is parsed into OpenAI tool_calls whose arguments fit them."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server, api_key="none", max_retries=0, timeout=600)
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=80, extra_body={"vericache": {"check": True}}, **params)
+        check = r.model_extra["vericache"]["check"]
+        label = "greedy" if params["temperature"] == 0 else "T=0.8"
+        exactness(f"SmolLM2 server tool call {choice if isinstance(choice, str) else 'named'} {label}", check)
+        assert check["identical"], check
+        choice0 = r.choices[0]
+        assert choice0.finish_reason == "tool_calls" and choice0.message.tool_calls, choice0
+        for call in choice0.message.tool_calls:
+            assert call.function.name in ("get_weather", "get_time")
+            if isinstance(choice, dict):
+                assert call.function.name == "get_time"
+            jsonschema.validate(json.loads(call.function.arguments), CITY)
+
+
+def test_a_conversation_with_a_tool_turn_answers(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server, api_key="none", max_retries=0, timeout=600)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+    r = client.chat.completions.create(model="smollm2", tools=TOOLS, max_tokens=40, temperature=0, messages=[
+        *ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temperature_c": 18, "sky": "clear"})}])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content
+
+
+def test_a_model_without_a_known_tool_format_is_refused():
+    from vericache_sglang.serve.tools import ToolError, required_function, tool_format
+
+    assert tool_format("{% for m in messages %}You are a helpful AI assistant named SmolLM{% endfor %}").name == \
+        "smollm2"
+    with pytest.raises(ToolError, match="no tool-call format this server knows"):
+        tool_format("{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}")
+    with pytest.raises(ToolError, match="not among the tools"):
+        required_function(TOOLS, {"type": "function", "function": {"name": "launch"}})

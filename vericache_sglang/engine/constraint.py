@@ -117,3 +117,10 @@ class ConstraintCompiler:
         except Exception as e:  # xgrammar's own parse errors
             raise ConstraintError(f"response_format: {e}") from None
         return Constraint(compiled, self.vocab_size, kind)
+
+    def compile_grammar(self, grammar: Any, kind: str = "grammar") -> Constraint:
+        """An xgrammar ``Grammar`` built by the caller (tool calls: literals around a JSON schema)."""
+        try:
+            return Constraint(self._compiler.compile_grammar(grammar), self.vocab_size, kind)
+        except Exception as e:
+            raise ConstraintError(f"{kind}: {e}") from None

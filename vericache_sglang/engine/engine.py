@@ -96,11 +96,13 @@ class Engine:
                 prefix = None
         return prefill(self.runner, tokens, progress=self.progress, prefix=prefix)
 
-    def constraint(self, response_format: dict) -> Constraint:
+    def constraint(self, response_format: dict | None = None, *, grammar: object = None) -> Constraint:
         """A grammar for this model's tokenizer from an OpenAI ``response_format`` (or this project's
-        regex / EBNF forms); ConstraintError when it cannot be compiled."""
+        regex / EBNF forms), or an xgrammar ``Grammar``; ConstraintError when it cannot be compiled."""
         if self._constraints is None:
             self._constraints = ConstraintCompiler(self.tokenizer, self.runner.vocab_size)
+        if grammar is not None:
+            return self._constraints.compile_grammar(grammar, "tool calls")
         return self._constraints.compile(response_format)
 
     def config(self, **kwargs: object) -> GenerationConfig:

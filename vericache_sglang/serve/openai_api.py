@@ -24,17 +24,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from vericache_sglang.core.sampling import SamplingParams
+from vericache_sglang.engine.constraint import Constraint, ConstraintError
 from vericache_sglang.engine.generation import GenerationResult
 from vericache_sglang.engine.prefix import document_tokens
 from vericache_sglang.serve.service import EngineService, Handle, ServeError
+from vericache_sglang.serve.tools import ToolError, ToolPrompt, check_tools, required_function, tool_format
 
 STREAM_IDLE_S = 600.0  # a stream with no event for this long ends with an error
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused before it is parsed
 # OpenAI fields this server does not implement yet, with their neutral values: a request that sets
 # one to anything else is refused with a 400 naming it (never silently ignored).
-REFUSED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
-           "tools": None, "tool_choice": None, "parallel_tool_calls": None, "functions": None, "function_call": None,
-           "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None}
+REFUSED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "functions": None,
+           "function_call": None, "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None}
+TOOL_FIELDS = {"tools": None, "tool_choice": None, "parallel_tool_calls": None}  # chat only
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
@@ -95,9 +97,11 @@ class DocumentRequest(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "user", "assistant"]  # "tool" needs tool calls, which are refused (REFUSED)
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None  # None only for an assistant turn that made tool calls
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool turn's answer to one
 
 
 class ChatRequest(_Common):
@@ -183,7 +187,8 @@ class BodyLimit:
 
 
 def _refused_fields(req: BaseModel) -> list[str]:
-    return [name for name, neutral in REFUSED.items()
+    refused = REFUSED if isinstance(req, ChatRequest) else {**REFUSED, **TOOL_FIELDS}
+    return [name for name, neutral in refused.items()
             if name in req.model_fields_set and getattr(req, name, neutral) not in (neutral, None)]
 
 
@@ -226,7 +231,17 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "vericache",
                                             "created": 0}]}
 
-    def submit(req: _Common, tokens: list[int], max_tokens: int | None) -> tuple[Handle, tuple[str, ...]]:
+    def constraint_of(req: _Common) -> Constraint | None:
+        fmt = req.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        try:
+            return service.engine.constraint(fmt)
+        except ConstraintError as e:
+            raise ServeError(400, str(e), param="response_format") from None
+
+    def submit(req: _Common, tokens: list[int], max_tokens: int | None,
+               constraint: Constraint | None = None) -> tuple[Handle, tuple[str, ...]]:
         refused = _refused_fields(req)
         if refused:
             raise ServeError(400, f"{refused[0]} is not supported by this server yet", param=refused[0])
@@ -245,7 +260,7 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         handle = service.submit(tokens, max_new_tokens=16 if max_tokens is None else max_tokens, sampling=sampling,
                                 stop=stop, compressor=v.compressor, horizon=v.horizon,
                                 adaptive_horizon=v.adaptive_horizon, logprobs=bool(req.logprobs), check=v.check,
-                                response_format=req.response_format)
+                                constraint=constraint)
         return handle, stop
 
     def wait(handle: Handle) -> GenerationResult:
@@ -322,7 +337,7 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
             tokens = list(tokenizer(req.prompt)["input_ids"])
         else:
             tokens = list(req.prompt)
-        handle, stop = submit(req, tokens, req.max_tokens)
+        handle, stop = submit(req, tokens, req.max_tokens, constraint_of(req))
         created = int(time.time())
 
         def chunk(text: str, finish: str | None, extra: dict) -> dict:
@@ -345,11 +360,26 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
     def chat(req: ChatRequest) -> Any:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ServeError(400, "this model has no chat template: use /v1/completions")
-        if not req.messages:
-            raise ServeError(400, "messages is empty", param="messages")
-        tokens = list(tokenizer.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True)["input_ids"])
-        handle, stop = submit(req, tokens, req.max_completion_tokens or req.max_tokens)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        for i, m in enumerate(messages):
+            if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+                raise ServeError(400, f"messages.{i}.content is missing", param=f"messages.{i}.content")
+            if m["role"] == "tool" and not m.get("tool_call_id"):
+                raise ServeError(400, f"messages.{i}.tool_call_id is missing: a tool turn answers a call",
+                                 param=f"messages.{i}.tool_call_id")
+        for field in ("tool_choice", "parallel_tool_calls"):
+            if getattr(req, field) is not None and not req.tools:
+                raise ServeError(400, f"{field} is given without tools", param=field)
+        try:
+            tools, constraint = render_tools(req, messages)
+        except ToolError as e:
+            raise ServeError(400, str(e), param=e.param) from None
+        if tools is None:
+            constraint = constraint_of(req)
+        tokens = list(tokenizer.apply_chat_template(messages if tools is None else tools.messages,
+                                                    add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"])
+        handle, stop = submit(req, tokens, req.max_completion_tokens or req.max_tokens, constraint)
         created = int(time.time())
 
         def chunk(text: str, finish: str | None, extra: dict) -> dict:
@@ -365,10 +395,38 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         if result.logprobs is not None:  # the verifier's log-probabilities (OpenAI's chat shape)
             logprobs = {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "token_id": t}
                                     for t, lp in zip(result.tokens, result.logprobs, strict=True)]}
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        finish = result.finish_reason
+        if tools is not None and tools.calls:
+            content, calls = tools.format.parse(result.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+                finish = "tool_calls" if finish == "stop" else finish
         return {"id": handle.id.replace("cmpl", "chatcmpl"), "object": "chat.completion", "created": created,
                 "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                             "finish_reason": result.finish_reason, "logprobs": logprobs}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
                 "usage": usage(handle, result), "vericache": vericache_stats(handle, result)}
+
+    def render_tools(req: ChatRequest, messages: list[dict]) -> tuple[ToolPrompt | None, Constraint | None]:
+        """The conversation in the model's tool-call format when the request has tools (or tool
+        turns), and the grammar of a required call."""
+        history = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if not req.tools and not history:
+            return None, None
+        fmt = tool_format(getattr(tokenizer, "chat_template", None))
+        if req.tools:
+            check_tools(req.tools)
+        if req.stream:
+            raise ToolError("streamed tool calls are not supported yet; send tools with stream false", "stream")
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise ToolError("tools and response_format constrain the answer twice; send one of them",
+                            "response_format")
+        tools = list(req.tools or [])
+        required, name = required_function(tools, req.tool_choice) if tools else (False, None)
+        constraint = None
+        if required:
+            grammar = fmt.grammar(tools, name, single=req.parallel_tool_calls is False)
+            constraint = service.engine.constraint(grammar=grammar)
+        return ToolPrompt(fmt, fmt.render(messages, tools), calls=bool(tools) and req.tool_choice != "none"), constraint
 
     return app

@@ -24,7 +24,7 @@ from remote_store.backends.base import StoreError, refused
 from vericache_sglang.core.compress import Compressor, SpecError, parse_spec
 from vericache_sglang.core.sampling import SamplingParams
 from vericache_sglang.engine.batch import BatchConfig, BatchEngine
-from vericache_sglang.engine.constraint import ConstraintError
+from vericache_sglang.engine.constraint import Constraint
 from vericache_sglang.engine.decode import generate_full
 from vericache_sglang.engine.engine import Engine, compare
 from vericache_sglang.engine.generation import GenerationConfig, GenerationResult
@@ -129,7 +129,7 @@ class EngineService:
     def submit(self, tokens: list[int], *, max_new_tokens: int, sampling: SamplingParams,
                stop: tuple[str, ...] = (), compressor: str | None = None, horizon: int | None = None,
                adaptive_horizon: bool = False, logprobs: bool = False, check: bool = False,
-               response_format: dict | None = None) -> Handle:
+               constraint: Constraint | None = None) -> Handle:
         """Check and queue one request; raise ServeError (4xx) for what cannot be served."""
         lim = self.limits
         if not tokens:
@@ -153,12 +153,6 @@ class EngineService:
             comp = self.default_compressor if compressor is None else parse_spec(compressor)
         except SpecError as e:
             raise ServeError(400, f"vericache.compressor: {e}", param="vericache") from None
-        constraint = None
-        if response_format is not None and response_format.get("type") != "text":
-            try:
-                constraint = self.engine.constraint(response_format)
-            except ConstraintError as e:
-                raise ServeError(400, str(e), param="response_format") from None
         try:
             gen = self.engine.config(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop,
                                      horizon=x, adaptive_horizon=adaptive_horizon, logprobs=logprobs,
