@@ -130,6 +130,10 @@ def backend_url(request):
         request.param])
 
 
+# on every SGLang server of the tests, stock and VeriCache alike: SGLang's own tool-call parsing
+SGLANG_TEST_FLAGS = ("--tool-call-parser", "qwen25")
+
+
 @pytest.fixture(scope="session")
 def sglang_logs(tmp_path_factory):
     """Where the SGLang server processes of the session write their logs."""
@@ -148,6 +152,6 @@ def stock_server(sglang_logs):
     pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
     from vericache_sglang.bench.sglang_server import SGLangServer
 
-    server = SGLangServer(sglang_logs, "stock", "--disable-overlap-schedule")
+    server = SGLangServer(sglang_logs, "stock", *SGLANG_TEST_FLAGS, "--disable-overlap-schedule")
     yield server
     server.stop()

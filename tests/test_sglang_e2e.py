@@ -12,6 +12,7 @@ import json
 
 import jsonschema
 import pytest
+from conftest import SGLANG_TEST_FLAGS
 from sglang_e2e import compare_answers, prompt
 
 from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, ask, ask_all
@@ -23,7 +24,7 @@ SNAPKV = {"compressor": "snapkv:ratio=0.125", "horizon": 8, "full_kv": "device"}
 
 @pytest.fixture(scope="module")
 def vericache(sglang_logs):
-    server = SGLangServer(sglang_logs, "vericache-snapkv", vericache=SNAPKV)
+    server = SGLangServer(sglang_logs, "vericache-snapkv", *SGLANG_TEST_FLAGS, vericache=SNAPKV)
     yield server
     server.stop()
 
@@ -127,6 +128,33 @@ def test_a_json_schema_and_a_frequency_penalty_in_a_batch_with_plain_requests(st
     assert got[0].finish_reason == "stop", got[0].text  # the grammar completed, not the budget
     jsonschema.validate(json.loads(got[0].text), PERSON)
     assert vericache.metrics()["vericache_verify_passes_total"] > before["vericache_verify_passes_total"]
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"Current {what} in a city",
+                                           "parameters": CITY}}
+         for name, what in (("get_weather", "weather"), ("get_time", "time"))]
+
+
+def test_tool_calls_through_sglangs_own_grammar_and_parser_are_stocks(stock_server, vericache):
+    """SGLang turns tool_choice "required" or a named function into a grammar (the worker masks
+    drafts and verification with it) and parses the answer with its own tool-call parser: the
+    VeriCache server's tool calls are stock SGLang's."""
+    def calls(server):
+        out = []
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            r = server.client().chat.completions.create(
+                model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                tools=TOOLS, tool_choice=choice, max_tokens=48, temperature=0)
+            message = r.choices[0].message
+            out.append((r.choices[0].finish_reason, message.content,
+                        [(t.function.name, t.function.arguments) for t in message.tool_calls or []]))
+        return out
+
+    expected, got = calls(stock_server), calls(vericache)
+    assert got == expected
+    assert all(tool_calls for _, _, tool_calls in got)
 
 
 def test_seeded_sampling_is_the_same_across_runs_and_batches_and_is_full_kv_sampling(vericache, real_engine,

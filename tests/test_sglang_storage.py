@@ -145,3 +145,18 @@ def test_missing_store_url_is_a_clear_error():
                                                              "class_name": "VeriCacheHiCacheStorage"})
     with pytest.raises(ValueError, match="store_url"):
         StorageBackendFactory.create_backend("dynamic", cfg, None)
+
+
+def test_a_store_it_cannot_use_fails_the_backend_at_start(store_url):
+    """A wrong token (or no answer) is a configuration error when SGLang builds the backend, naming
+    the store without its secret; never a silent miss on every page later."""
+    from services import free_port
+
+    from remote_store import StoreConfigError
+
+    wrong = store_url.replace(store_url.split("@")[0].split("//")[1], ":wrong")
+    for url, cause in ((wrong, "refused this client's credentials"),
+                       (f"grpc://127.0.0.1:{free_port()}", "does not answer")):
+        with pytest.raises(StoreConfigError, match=cause) as e:
+            _backend(url, _host_pool(), "ns")
+        assert ":wrong@" not in str(e.value)
