@@ -61,10 +61,11 @@ def timed(fn, device: str, repeats: int = 5) -> float:
 def section_bandwidth(device: str, quick: bool) -> dict:
     import torch
 
-    from vericache_sglang.engine.hardware import memory_bandwidth
+    from vericache_sglang.engine.hardware import streaming_read_bandwidth
 
     n = (16 << 20) if quick else (1 << 30)
-    out = {"memory_bytes_s": memory_bandwidth(device, n)}
+    probe = streaming_read_bandwidth(device, n)
+    out = {"memory_bytes_s": probe.bytes_s, "memory_probe": probe.to_dict()}
     if device != "cpu":
         host = torch.empty(n // 4, dtype=torch.float32).pin_memory()
         dev = torch.empty(n // 4, dtype=torch.float32, device=device)

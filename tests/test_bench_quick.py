@@ -55,3 +55,18 @@ def test_acceptance_quick(tmp_path):
     for name in ("acceptance.md", "acceptance_mean_accepted_length_vs_horizon.png", "acceptance_vs_ratio.png",
                  "acceptance_kl_vs_step.png"):
         assert (tmp_path / name).is_file()
+
+
+def test_step_cost_quick(tmp_path):
+    """vericache bench steps --quick (tiny model): every iteration kind timed against its bytes at
+    the probe's bandwidth, the probe's spread reported, the profile written."""
+    out = bench("steps", tmp_path)
+    probe = out["memory_probe"]
+    assert probe["low_bytes_s"] <= probe["bytes_s"] <= probe["high_bytes_s"] and probe["reads"] >= 5
+    assert set(out["over_bytes_at_check"]) == {"full decode", "draft snapkv:ratio=0.125", "draft kivi:bits=2,group=16"}
+    assert all(v > 0 for v in out["over_bytes_at_check"].values())
+    data = json.loads((tmp_path / "step_cost_quick.json").read_text())
+    kinds = {r["kind"] for r in data["rows"]}
+    assert kinds == {"full", "draft", "verify"} and all(r["ms"] > 0 and r["byte_ms"] > 0 for r in data["rows"])
+    assert set(data["profiles"]) == {r["iteration"] for r in data["rows"] if (r["context"], r["batch"]) == (256, 3)}
+    assert (tmp_path / "step_cost_quick.md").is_file() and (tmp_path / "step_cost_quick.png").is_file()

@@ -162,7 +162,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_MODULES = {"sglang": "sglang_cpu"}
+BENCH_MODULES = {"sglang": "sglang_cpu", "steps": "step_cost"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -400,9 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compressors", help="list the compressors, their parameters and defaults")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compressors)
-    p = sub.add_parser("bench", help="run a benchmark: longctx (long-context decoding), prefix (remote prefixes) or "
-                                     "sglang (stock SGLang against VeriCache servers on this CPU)")
-    p.add_argument("which", choices=("longctx", "prefix", "sglang"))
+    p = sub.add_parser("bench", help="run a benchmark: longctx (long-context decoding), prefix (remote prefixes), "
+                                     "sglang (stock SGLang against VeriCache servers on this CPU) or steps (the "
+                                     "cost of one batched iteration against the bytes it reads)")
+    p.add_argument("which", choices=("longctx", "prefix", "sglang", "steps"))
     p.add_argument("--quick", action="store_true", help="the small configuration CI runs")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--config", type=Path, help="config file (default: benchmarks/configs/WHICH.json)")

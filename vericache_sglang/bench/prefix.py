@@ -24,7 +24,7 @@ from vericache_sglang.bench.common import PROMPTS, load_config, table
 from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.engine.decode import generate_full, generate_vericache_from_prefix, prefill
 from vericache_sglang.engine.engine import Engine, compare
-from vericache_sglang.engine.hardware import memory_bandwidth
+from vericache_sglang.engine.hardware import Bandwidth, streaming_read_bandwidth
 from vericache_sglang.engine.prefix import PrefixRegistry
 
 
@@ -48,7 +48,9 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
     questions = [cfg["questions"][i % len(cfg["questions"])] for i in range(cfg["requests"])]
     prompts = [engine.encode(f"{doc}\n\nQuestion: {q}") for q in questions]
     shared = _common_prefix(prompts) if len(prompts) > 1 else prompts[0][:-8]
-    mem_bw = memory_bandwidth(str(runner.device))
+    probe = streaming_read_bandwidth(str(runner.device))
+    log(f"memory bandwidth: {probe.describe()}")
+    mem_bw = probe.bytes_s
     backend, ns = MemoryStore(), uuid.uuid4().hex
     slow_link = LinkEmulator(backend, mem_bw / cfg["slow_link_ratio"], ratio=cfg["slow_link_ratio"])
     fast_link = LinkEmulator(backend, mem_bw / cfg["fast_link_ratio"], ratio=cfg["fast_link_ratio"])
@@ -85,13 +87,14 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
         r = rows[-1]
         log(f"request {i}: TTFT {r['fetch_then_decode_ttft_s']:.2f} s -> {r['vericache_ttft_s']:.2f} s, "
             f"total {total_fd:.1f} s -> {total_vc:.1f} s, identical={cmp['identical']}")
-    summary = _summary(cfg, rows, prefix, mem_bw)
+    summary = _summary(cfg, rows, prefix, probe)
     if out_dir is not None:
         _write(out_dir, cfg, rows, summary, quick)
     return summary
 
 
-def _summary(cfg: dict, rows: list[dict], prefix, mem_bw: float) -> dict:
+def _summary(cfg: dict, rows: list[dict], prefix, probe: Bandwidth) -> dict:
+    mem_bw = probe.bytes_s
     tokens = sum(r["tokens"] for r in rows)
     mean = lambda key: sum(r[key] for r in rows) / len(rows)
     transfer = sum(r["verify_transfer_s"] for r in rows)
@@ -107,6 +110,7 @@ def _summary(cfg: dict, rows: list[dict], prefix, mem_bw: float) -> dict:
         "compressed_prefix_bytes": prefix.compressed_kv_bytes, "slow_link_ratio": cfg["slow_link_ratio"],
         "fast_link_ratio": cfg["fast_link_ratio"], "memory_bytes_s": mem_bw, "compressor": cfg["compressor"],
         "horizon": cfg["horizon"], "requests": cfg["requests"], "new_tokens": cfg["new_tokens"],
+        "memory_probe": probe.to_dict(), "memory_probe_text": probe.describe(),
     }
 
 
@@ -119,7 +123,7 @@ def _write(out_dir: Path, cfg: dict, rows: list[dict], summary: dict, quick: boo
     md = [f"Remote prefix caching: a {summary['prefix_tokens']}-token document, {cfg['requests']} requests x "
           f"{cfg['new_tokens']} new tokens, `{cfg['compressor']}`, x={cfg['horizon']}; slow link at ratio "
           f"{cfg['slow_link_ratio']}, verification on a link at ratio {cfg['fast_link_ratio']} of "
-          f"{summary['memory_bytes_s'] / 1e9:.1f} GB/s measured memory bandwidth. One-time shipment of the "
+          f"memory: {summary['memory_probe_text']}. One-time shipment of the "
           f"compressed document over the slow link: {summary['compressed_prefix_shipment_s']:.2f} s "
           "(not in the per-request times).", "", table(rows, cols), "",
           f"Mean TTFT: fetch-then-decode {summary['ttft_s']['fetch_then_decode']:.2f} s, VeriCache "

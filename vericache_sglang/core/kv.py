@@ -128,6 +128,19 @@ class CompressedLayer(ABC):
         holds bit-exactly, or None. What the device holds exactly need not cross the link again."""
         return None
 
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes held past the content as room for appends and draft rows (not in ``nbytes``)."""
+        return 0
+
+    def read_with_drafts(self, offset: int, k: torch.Tensor, v: torch.Tensor,
+                         query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What a draft window's new tokens attend to, this layer's keys/values followed by the
+        window's own (``offset`` written before, then ``k``/``v`` ``[kv_heads, n, head_dim]``),
+        written in place into room after this layer's rows; None where the layer keeps no such
+        room (the caller concatenates). The window's rows vanish at the next commit."""
+        return None
+
 
 @dataclass
 class CompressedKV:
@@ -136,6 +149,9 @@ class CompressedKV:
     layout: KVLayout
     spec: str
     layers: list[CompressedLayer]
+    # Bumped by each draft window opened over this KV: a window's rows live in the layers' room,
+    # so only the newest window may draft (an older one would read the newer one's rows).
+    draft_epoch: int = 0
 
     @property
     def nbytes(self) -> int:

@@ -368,7 +368,7 @@ class BatchEngine:
                     ctx = DraftKV(req.ckv)
                 else:
                     req.feed = FullKVFetch(req.kv, pos, layers, req.pending, req.cfg.fetch_timeout_s,
-                                           device=self.runner.device)
+                                           device=self.runner.device, room=1)
                     req.pending = None
                     ctx = StreamedKV(req.feed)
                 keep = int(self.batch.mode == "lossy" and req.compressor.update_queries)

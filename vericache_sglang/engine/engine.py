@@ -21,7 +21,7 @@ from vericache_sglang.engine.decode import (
     generate_vericache,
     prefill,
 )
-from vericache_sglang.engine.hardware import memory_bandwidth
+from vericache_sglang.engine.hardware import memory_bandwidth, streaming_read_bandwidth
 from vericache_sglang.engine.model import DEFAULT_MODEL, load_model
 from vericache_sglang.engine.runner import ModelRunner
 
@@ -59,7 +59,8 @@ class Engine:
         if isinstance(backend, LinkEmulator):
             report.update(link_bandwidth_bytes_s=backend.bandwidth_bytes_s, link_ratio=backend.ratio,
                           link_bytes_moved=backend.bytes_moved, link_transfer_s=round(backend.transfer_s, 4),
-                          memory_bandwidth_bytes_s=memory_bandwidth(str(self.runner.device)))
+                          memory_bandwidth_bytes_s=memory_bandwidth(str(self.runner.device)),
+                          memory_probe=streaming_read_bandwidth(str(self.runner.device)).to_dict())
         return report
 
     @property

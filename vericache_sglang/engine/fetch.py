@@ -23,17 +23,50 @@ class FetchError(StoreError):
     """A full-KV fetch for verification failed; no token of that verification is committed."""
 
 
+class RoomyLayers:
+    """Each layer's full KV in a buffer with ``room`` rows after it, so the verify pass writes its
+    new tokens' K/V there and attends to one view instead of concatenating the whole full KV."""
+
+    def __init__(self, num_layers: int, room: int):
+        self.room = room
+        self.layers: list[tuple[torch.Tensor, torch.Tensor, int] | None] = [None] * num_layers
+
+    def place(self, layer: int, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> None:
+        """Copy the layer into its buffer (on ``device``: the host-to-device copy lands there)."""
+        h, n, d = k.shape
+        bufs = [torch.empty((h, n + self.room, d), dtype=t.dtype, device=device) for t in (k, v)]
+        for buf, t in zip(bufs, (k, v), strict=True):
+            buf[:, :n].copy_(t, non_blocking=device.type != "cpu")
+        self.layers[layer] = (bufs[0], bufs[1], n)
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        held = self.layers[layer]
+        return None if held is None else (held[0][:, : held[2]], held[1][:, : held[2]])
+
+    def with_new(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        held = self.layers[layer]
+        if held is None or k.shape[1] > self.room:
+            return None
+        bk, bv, n = held
+        end = n + k.shape[1]
+        bk[:, n:end], bv[:, n:end] = k, v
+        return bk[:, :end], bv[:, :end]
+
+
 class FullKVFetch:
     def __init__(self, request: RequestKV, upto: int, num_layers: int,
                  pending_write: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
                  timeout_s: float = 120.0, held: Callable[[int], Held | None] | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", room: int = 0):
+        """``room``: rows kept free after each layer for the verify pass's new tokens (0: it
+        concatenates)."""
         self.request = request
         self.upto = upto
         self.held = held
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self._roomy = RoomyLayers(num_layers, room) if room else None
         self._ready = [threading.Event() for _ in range(num_layers)]
         self.arrival: list[float | None] = [None] * num_layers
         self.wait_s = 0.0  # time the verify pass spent waiting for layers
@@ -52,8 +85,14 @@ class FullKVFetch:
                 self.request.write(*self._pending)
                 self.bytes_written = self.request.stats.put_bytes - before
             for layer, k, v in self.request.fetch_layers(self.upto, held=self.held):
-                if self.device.type != "cpu":  # the store's bytes land in host memory; the link is this copy
+                # The store's bytes land in host memory; the link is the copy to the device (into
+                # the roomy buffer where there is one: no second copy on the verify's path).
+                if self._roomy is not None:
+                    self._roomy.place(layer, k, v, self.device)
+                    k, v = self._roomy.view(layer)
+                elif self.device.type != "cpu":
                     k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
+                if self.device.type != "cpu":
                     torch.cuda.current_stream(self.device).synchronize()
                 self._layers[layer] = (k, v)
                 self.arrival[layer] = time.monotonic()
@@ -75,6 +114,12 @@ class FullKVFetch:
             raise FetchError(f"full-KV fetch failed at layer {layer}: {self.error}") from self.error
         return kv
 
+    def with_new(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's full KV followed by the new tokens' ``k``/``v``, written into its room; None
+        without room for them (the caller concatenates)."""
+        self.wait_layer(layer)
+        return None if self._roomy is None else self._roomy.with_new(layer, k, v)
+
     def join(self) -> None:
         self._thread.join(self.timeout_s)
 
@@ -89,16 +134,24 @@ class FullKVFetch:
 
 
 class ResidentFeed:
-    """A full KV already in memory, served like a fetch (the recompute fallback)."""
+    """A full KV already in memory, served like a fetch (the recompute fallback); with ``room``
+    it is copied once into roomy buffers, so verify passes over it write in place."""
 
-    def __init__(self, full: FullKV):
+    def __init__(self, full: FullKV, room: int = 0):
         self.full = full
         self.wait_s = 0.0
         self.bytes_fetched = 0
         self.arrival: list[float | None] = []
+        self._roomy = RoomyLayers(full.layout.num_layers, room) if room else None
+        if self._roomy is not None:
+            for layer, (k, v) in enumerate(full.layers):
+                self._roomy.place(layer, k, v, k.device)
 
     def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.full.layers[layer]
+
+    def with_new(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self._roomy is None else self._roomy.with_new(layer, k, v)
 
     def join(self) -> None:
         pass

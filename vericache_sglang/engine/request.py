@@ -155,9 +155,11 @@ class VeriCacheRequest:
             self.feed = ResidentFeed(self.resident.to_full())
         else:
             # The rows the compressed KV holds bit-exactly need not cross the link again.
+            # Room for the verify pass's tokens: the committed ones the store lacks, then the drafts.
+            room = len(self.tokens) - self.exact_upto + self.cfg.horizon
             self.feed = FullKVFetch(self.kv, self.exact_upto, self.runner.layout.num_layers, self.pending,
                                     self.cfg.fetch_timeout_s, held=lambda layer: self.ckv.layers[layer].exact_kv(),
-                                    device=self.runner.device)
+                                    device=self.runner.device, room=room)
         self.pending = None
 
     def wait_fetch(self) -> float:

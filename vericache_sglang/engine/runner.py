@@ -88,16 +88,29 @@ class ResidentKV:
 
 
 class DraftKV:
-    """A compressed KV plus this draft window's scratch: drafted tokens' K/V, dropped after verify."""
+    """A compressed KV plus this draft window's tokens, dropped after verify: written into the
+    layers' room after their rows where they keep one (no per-step copy of the compressed KV),
+    else kept as scratch and concatenated."""
 
     def __init__(self, ckv: CompressedKV):
         self.ckv = ckv
+        ckv.draft_epoch += 1
+        self.epoch = ckv.draft_epoch
+        self.drafted = [0] * len(ckv.layers)  # window tokens written per layer
         self.scratch: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in ckv.layers]
 
     def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                   q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ckv.draft_epoch != self.epoch:
+            raise RuntimeError("a newer draft window was opened over this compressed KV")
+        compressed = self.ckv.layers[layer]
+        offset = self.drafted[layer]
+        self.drafted[layer] += k.shape[1]
+        in_place = compressed.read_with_drafts(offset, k, v, q)
+        if in_place is not None:
+            return in_place
         self.scratch[layer].append((k, v))
-        ck, cv = self.ckv.layers[layer].read_for(q)
+        ck, cv = compressed.read_for(q)
         ks = [ck, *(s[0] for s in self.scratch[layer])]
         vs = [cv, *(s[1] for s in self.scratch[layer])]
         return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
@@ -108,15 +121,25 @@ class LayerFeed(Protocol):
         """Block until ``layer``'s full KV has arrived; raise if its fetch failed."""
         ...
 
+    def with_new(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Block as ``wait_layer``; then the layer's full KV followed by ``k``/``v``, written into
+        room the feed kept after it, or None where it kept none."""
+        ...
+
 
 class StreamedKV:
-    """The full KV arriving layer by layer (verification); new tokens' K/V are not kept."""
+    """The full KV arriving layer by layer (verification); new tokens' K/V are not kept. Where the
+    feed kept room after each layer they are written there (the full KV is never copied on the
+    verify's path), else concatenated."""
 
     def __init__(self, feed: LayerFeed):
         self.feed = feed
 
     def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                   q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        in_place = self.feed.with_new(layer, k, v)
+        if in_place is not None:
+            return in_place
         fk, fv = self.feed.wait_layer(layer)
         return torch.cat([fk, k], dim=1), torch.cat([fv, v], dim=1)
 
@@ -249,17 +272,27 @@ class ModelRunner:
             o = torch.cat(outs, dim=1).transpose(0, 1).reshape(1, total, self.num_heads * self.head_dim)
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+        # One head GEMM for every row that wants logits: the head is the largest matrix, and read
+        # once per segment it would cost a batch of one-token rows its bytes per row. Bucketed
+        # rows: every row, so the GEMM has the same shape always.
+        if self.row_bucket:
+            rows = list(range(total))
+        else:
+            rows = [r for si, seg in enumerate(segments) if seg.logits != "none"
+                    for r in (range(bounds[si + 1] - 1, bounds[si + 1]) if seg.logits == "last"
+                              else range(bounds[si], bounds[si + 1]))]
+        if rows and any(seg.logits != "none" for seg in segments):
+            picked = h if len(rows) == total else h[:, torch.tensor(rows, device=h.device)]
+            every = self.lm_head(self.norm(picked))[0].float()
+            where = {r: i for i, r in enumerate(rows)}
         results = []
-        # Bucketed rows: every row's logits from one head GEMM over all rows (the same shape always).
-        every = (self.lm_head(self.norm(h))[0].float()
-                 if self.row_bucket and any(seg.logits != "none" for seg in segments) else None)
         for si, seg in enumerate(segments):
             a, b = bounds[si], bounds[si + 1]
             logits = None
-            if seg.logits != "none" and every is not None:
-                logits = (every[b - 1 : b] if seg.logits == "last" else every[a:b]).clone()
-            elif seg.logits != "none":
-                rows = h[:, b - 1 : b] if seg.logits == "last" else h[:, a:b]
-                logits = self.lm_head(self.norm(rows))[0].float()
+            if seg.logits != "none":
+                first = where[b - 1] if seg.logits == "last" else where[a]
+                logits = every[first : first + (1 if seg.logits == "last" else b - a)]
+                if len(segments) > 1:
+                    logits = logits.clone()  # not a view pinning the whole batch's logits
             results.append(SegmentOutput(logits, kv_out[si], q_out[si] if seg.keep_queries else None))
         return results
