@@ -4,8 +4,11 @@ full-KV decoding, and the summary keys the README and the issue name."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.real_model
 
@@ -63,10 +66,29 @@ def test_step_cost_quick(tmp_path):
     out = bench("steps", tmp_path)
     probe = out["memory_probe"]
     assert probe["low_bytes_s"] <= probe["bytes_s"] <= probe["high_bytes_s"] and probe["reads"] >= 5
-    assert set(out["over_bytes_at_check"]) == {"full decode", "draft snapkv:ratio=0.125", "draft kivi:bits=2,group=16"}
+    iterations = {"full decode", "draft snapkv:ratio=0.125", "draft kivi:bits=2,group=16"}
+    assert set(out["over_bytes_at_check"]) == iterations | {"weights pass"}
+    assert set(out["kv_over_bytes_at_check"]) == iterations
     assert all(v > 0 for v in out["over_bytes_at_check"].values())
     data = json.loads((tmp_path / "step_cost_quick.json").read_text())
     kinds = {r["kind"] for r in data["rows"]}
-    assert kinds == {"full", "draft", "verify"} and all(r["ms"] > 0 and r["byte_ms"] > 0 for r in data["rows"])
+    assert kinds == {"weights", "full", "draft", "verify"}
+    assert all(r["ms"] > 0 and r["byte_ms"] > 0 for r in data["rows"])
+    # a step beyond the weights' pass is set against its KV's own bytes
+    assert all("kv_over_bytes" in r for r in data["rows"] if r["kind"] != "weights")
     assert set(data["profiles"]) == {r["iteration"] for r in data["rows"] if (r["context"], r["batch"]) == (256, 3)}
     assert (tmp_path / "step_cost_quick.md").is_file() and (tmp_path / "step_cost_quick.png").is_file()
+
+
+def test_longctx_modes_are_checked_before_anything_runs(tmp_path):
+    """The demo's batch phase runs a subset of longctx's modes; a subset without the reference
+    first, or without staggered VeriCache, is refused before the model loads."""
+    from vericache_sglang.bench import longctx
+
+    base = json.loads((REPO / "benchmarks/configs/demo_batch.json").read_text())
+    assert base["modes"][0] == "full_resident" and "vericache_staggered" in base["modes"]
+    for modes in (["vericache_staggered", "full_resident"], ["full_resident", "lossy"], ["full_resident", "nope"], []):
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps({**base, "modes": modes}))
+        with pytest.raises(ValueError, match="full_resident first"):
+            longctx.run(path)

@@ -6,7 +6,7 @@ import torch
 from vericache_sglang.core.compress import COMPRESSORS, SpecError, parse_spec
 from vericache_sglang.core.compress.base import Observation
 from vericache_sglang.core.compress.kivi import KIVILayer
-from vericache_sglang.core.compress.quant import dequantize, pack, quantize, unpack
+from vericache_sglang.core.compress.quant import dequantize, dequantize_packed, pack, quantize, unpack
 from vericache_sglang.core.compress.snapkv import snapkv_scores
 from vericache_sglang.core.kv import FullKV, KVLayout
 
@@ -108,6 +108,18 @@ def test_pack_unpack_roundtrip(bits):
     packed = pack(codes, bits)
     assert packed.shape == (3, 5, 64 * bits // 8)
     assert torch.equal(unpack(packed, bits), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_table_dequantization_is_the_reference_bit_for_bit(bits, dtype):
+    """The draft path's table lookup gives exactly dequantize(unpack(...)), per channel and per token."""
+    x = torch.randn(3, 64, 64) * 3
+    for grouped, dim in (((3, 2, 32, 64), 2), ((3, 64, 2, 32), 3)):
+        codes, scale, mn = quantize(x.reshape(grouped), dim=dim, bits=bits)
+        packed = pack(codes.reshape(3, 64, 64), bits)
+        ref = dequantize(unpack(packed, bits).view(grouped), scale, mn, dtype)
+        assert torch.equal(dequantize_packed(packed, bits, scale, mn, grouped, dtype), ref)
 
 
 def test_quantize_error_is_within_half_a_step():

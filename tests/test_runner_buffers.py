@@ -13,7 +13,7 @@ from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.core.compress.base import DroppedLayer, Observation
 from vericache_sglang.core.kv import FullKV
 from vericache_sglang.core.rows import MIN_ROOM_ROWS, GrowingRows
-from vericache_sglang.engine.fetch import FullKVFetch
+from vericache_sglang.engine.fetch import FullKVFetch, ResidentFeed
 from vericache_sglang.engine.runner import DraftKV, ResidentKV, Segment, StreamedKV
 
 
@@ -137,3 +137,16 @@ def test_a_verify_pass_over_a_fetch_with_room_writes_in_place_and_matches_concat
     resident = ResidentKV.from_full(FullKV(lay, kv), 60)
     over_resident = tiny_runner.forward([Segment(tokens, list(range(50, 54)), resident)])[0]
     assert torch.equal(over_fetch.logits, over_resident.logits)
+
+
+def test_a_resident_kv_serves_verify_passes_from_its_own_room(tiny_runner, prompt):
+    """The recompute fallback's feed: the resident KV's buffers, the verify pass's tokens in the
+    room past its length (not copied, not kept: its length does not move)."""
+    resident = ResidentKV(tiny_runner.layout, 64)
+    tiny_runner.forward([Segment(prompt[:40], list(range(40)), resident, logits="none")])
+    feed = ResidentFeed.of_resident(resident)
+    out = tiny_runner.forward([Segment(prompt[40:44], list(range(40, 44)), StreamedKV(feed))])[0]
+    assert resident.length == 40 and feed.with_new(0, *resident.to_full().layers[0]) is None  # 40 rows > room
+    copied = ResidentKV.from_full(resident.to_full(), 64)
+    want = tiny_runner.forward([Segment(prompt[40:44], list(range(40, 44)), copied)])[0]
+    assert torch.equal(out.logits, want.logits)

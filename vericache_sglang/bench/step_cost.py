@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -31,12 +31,12 @@ from vericache_sglang.engine.model import load_model
 from vericache_sglang.engine.runner import DraftKV, ModelRunner, ResidentKV, Segment, StreamedKV
 
 # Profiler op names grouped by what they stand for in a step.
-OP_GROUPS = (
+OP_GROUPS = (  # first match wins
     ("weight GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
     ("attention", ("scaled_dot_product", "flash_attention")),
+    ("dequantization", ("aten::embedding", "aten::index_select", "aten::bitwise", "aten::__rshift__",
+                        "aten::__and__", "aten::mul_", "aten::add_")),
     ("KV copies", ("aten::cat", "aten::copy_", "aten::index", "aten::gather")),
-    ("dequantization", ("aten::bitwise", "aten::__rshift__", "aten::__and__", "aten::sub", "aten::to",
-                        "aten::_to_copy")),
 )
 
 
@@ -91,6 +91,16 @@ class StepPoint:
     def full_kv_bytes(self) -> int:
         return sum(f.nbytes for f in self.full)
 
+    def weights_step(self) -> Callable[[], None]:
+        """The batch's tokens over no context (each attends to itself): the weights' pass alone."""
+        empty = [ResidentKV(self.runner.layout, 1, self.runner.device) for _ in range(self.batch)]
+
+        def step() -> None:
+            self.runner.forward([Segment([1], [self.context], r, logits="last") for r in empty])
+            for r in empty:
+                r.truncate(0)
+        return step
+
     def full_step(self) -> Callable[[], None]:
         def step() -> None:
             self.runner.forward([Segment([1], [self.context], r, logits="last") for r in self.resident])
@@ -107,13 +117,55 @@ class StepPoint:
         return step, sum(c.nbytes for c in ckvs)
 
     def verify_step(self, x: int) -> Callable[[], None]:
-        # Each request's full KV as a fetch leaves it: in a buffer with room for the x+1 tokens.
-        feeds = [ResidentFeed(f, room=x + 1) for f in self.full]
+        # Each request's full KV in a buffer with room for the x+1 tokens, as a fetch leaves it
+        # (the resident buffers themselves: no second copy of every full KV).
+        feeds = [ResidentFeed.of_resident(r) for r in self.resident]
 
         def step() -> None:
             self.runner.forward([Segment([1] * (x + 1), list(range(self.context, self.context + x + 1)),
                                          StreamedKV(feed)) for feed in feeds])
         return step
+
+
+def _iterations(point: StepPoint, cfg: dict) -> list[tuple[str, str, Callable[[], tuple[Callable[[], None], int]]]]:
+    """Each iteration kind at a point: its name, kind, and how to build its step (and the KV
+    bytes it reads). Built one at a time and dropped after timing: twelve 8k-token requests'
+    compressed KVs of every compressor at once would not fit this machine's memory."""
+    full_bytes = point.full_kv_bytes
+    kinds = [("weights pass", "weights", lambda: (point.weights_step(), 0)),
+             ("full decode", "full", lambda: (point.full_step(), full_bytes))]
+    for template in cfg["drafts"]:
+        # {eighth}/{quarter}: a window of that share of the context (positional droppers)
+        spec = template.format(eighth=point.context // 8 - 4, quarter=point.context // 4 - 4)
+        kinds.append((f"draft {template}", "draft", lambda spec=spec: point.draft_step(spec)))
+    for x in cfg["verify_horizons"]:
+        kinds.append((f"verify x={x}", "verify", lambda x=x: (point.verify_step(x), full_bytes)))
+    return kinds
+
+
+def _measure(point: StepPoint, cfg: dict, weights: int, bw: float, profile: bool) -> Iterator[tuple[dict, dict | None]]:
+    full_bytes, full_ms, weights_ms = point.full_kv_bytes, None, None
+    for name, kind, make in _iterations(point, cfg):
+        step, kv_bytes = make()
+        times = sorted(_timed(step, point.runner.device, cfg["repeats"]))
+        ms = 1e3 * times[len(times) // 2]
+        read = weights + kv_bytes
+        byte_ms = 1e3 * read / bw
+        if kind == "full":
+            full_ms = ms
+        if kind == "weights":
+            weights_ms = ms
+        row = {"iteration": name, "kind": kind, "context": point.context, "batch": point.batch, "ms": ms,
+               "ms_min": 1e3 * times[0], "read_mb": read / 1e6, "kv_mb": kv_bytes / 1e6,
+               "kv_fraction": kv_bytes / full_bytes, "byte_ms": byte_ms, "over_bytes": ms / byte_ms,
+               "achieved_gb_s": read / ms / 1e6,
+               "predicted_from_full_ms": full_ms * read / (weights + full_bytes) if kind == "draft" else None}
+        if row["predicted_from_full_ms"] is not None:
+            row["over_full_prediction"] = ms / row["predicted_from_full_ms"]
+        if kv_bytes:  # the step beyond the weights' pass, against the KV's own bytes
+            row["kv_ms"] = ms - weights_ms
+            row["kv_over_bytes"] = row["kv_ms"] / (1e3 * kv_bytes / bw)
+        yield row, (_profile(step) if profile else None)
 
 
 def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | None = None, log=print) -> dict:
@@ -124,43 +176,20 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
     runner = ModelRunner(loaded)
     probe = streaming_read_bandwidth(str(runner.device))
     log(f"memory bandwidth: {probe.describe()}")
-    bw = probe.bytes_s
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     rows, profiles = [], {}
     for context in cfg["contexts"]:
         for batch in cfg["batches"]:
             t = time.monotonic()
             point = StepPoint(runner, context, batch)
-            full_bytes = point.full_kv_bytes
-            kinds: list[tuple[str, str, Callable[[], None], int]] = [
-                ("full decode", "full", point.full_step(), full_bytes)]
-            for template in cfg["drafts"]:
-                # {eighth}/{quarter}: a window of that share of the context (positional droppers)
-                step, kv_bytes = point.draft_step(template.format(eighth=context // 8 - 4, quarter=context // 4 - 4))
-                kinds.append((f"draft {template}", "draft", step, kv_bytes))
-            for x in cfg["verify_horizons"]:
-                kinds.append((f"verify x={x}", "verify", point.verify_step(x), full_bytes))
-            full_ms = None
-            for name, kind, step, kv_bytes in kinds:
-                times = sorted(_timed(step, runner.device, cfg["repeats"]))
-                ms = 1e3 * times[len(times) // 2]
-                read = weights + kv_bytes
-                byte_ms = 1e3 * read / bw
-                if kind == "full":
-                    full_ms = ms
-                row = {"iteration": name, "kind": kind, "context": context, "batch": batch, "ms": ms,
-                       "ms_min": 1e3 * times[0], "read_mb": read / 1e6, "kv_mb": kv_bytes / 1e6,
-                       "kv_fraction": kv_bytes / full_bytes,
-                       "byte_ms": byte_ms, "over_bytes": ms / byte_ms, "achieved_gb_s": read / ms / 1e6,
-                       "predicted_from_full_ms": full_ms * read / (weights + full_bytes) if kind == "draft" else None}
-                if row["predicted_from_full_ms"] is not None:
-                    row["over_full_prediction"] = ms / row["predicted_from_full_ms"]
+            profile = (context, batch) == tuple(cfg["profile_at"])
+            for row, prof in _measure(point, cfg, weights, probe.bytes_s, profile):
                 rows.append(row)
-                if (context, batch) == tuple(cfg["profile_at"]):
-                    profiles[name] = _profile(step)
-                log(f"ctx {context:>5} batch {batch:>2} {name:<40} {ms:8.1f} ms  bytes {byte_ms:7.1f} ms  "
-                    f"x{row['over_bytes']:.2f}")
-            del point, kinds
+                if prof is not None:
+                    profiles[row["iteration"]] = prof
+                log(f"ctx {context:>5} batch {batch:>2} {row['iteration']:<40} {row['ms']:8.1f} ms  "
+                    f"bytes {row['byte_ms']:7.1f} ms  x{row['over_bytes']:.2f}")
+            del point
             log(f"  (point ctx {context} batch {batch} took {time.monotonic() - t:.0f} s)")
     summary = _summary(cfg, rows, probe, weights)
     if out_dir is not None:
@@ -173,10 +202,12 @@ def _summary(cfg: dict, rows: list[dict], probe, weights: int) -> dict:
         return next((r for r in rows if r["iteration"] == name and r["context"] == cfg["check_at"][0]
                      and r["batch"] == cfg["check_at"][1]), None)
 
-    check = {name: (round(r["over_bytes"], 3) if r else None)
-             for name in ["full decode", *(f"draft {s}" for s in cfg["drafts"])] for r in [at(name)]}
+    names = ["weights pass", "full decode", *(f"draft {s}" for s in cfg["drafts"])]
+    check = {name: (round(r["over_bytes"], 3) if r else None) for name in names for r in [at(name)]}
+    kv_check = {name: (round(r["kv_over_bytes"], 3) if r else None) for name in names[1:] for r in [at(name)]}
     return {"memory_probe": probe.to_dict(), "memory_probe_text": probe.describe(), "weights_bytes": weights,
-            "check_at": cfg["check_at"], "over_bytes_at_check": check, "points": len(rows)}
+            "check_at": cfg["check_at"], "over_bytes_at_check": check, "kv_over_bytes_at_check": kv_check,
+            "points": len(rows)}
 
 
 def _write(out_dir: Path, cfg: dict, rows: list[dict], profiles: dict, summary: dict, quick: bool) -> None:
@@ -185,7 +216,7 @@ def _write(out_dir: Path, cfg: dict, rows: list[dict], profiles: dict, summary: 
     (out_dir / f"{stem}.json").write_text(json.dumps({"config": cfg, "rows": rows, "profiles": profiles,
                                                       "summary": summary}, indent=2))
     cols = ["iteration", "context", "batch", "kv_fraction", "ms", "read_mb", "byte_ms", "over_bytes", "achieved_gb_s",
-            "over_full_prediction"]
+            "over_full_prediction", "kv_ms", "kv_over_bytes"]
     groups = [g for g, _ in OP_GROUPS] + ["other ops"]
     prof_rows = [{"iteration": name, **{g: round(p.get(g, 0.0), 1) for g in groups},
                   "total": round(sum(p.values()), 1)} for name, p in profiles.items()]
@@ -210,6 +241,8 @@ def _plot(path: Path, rows: list[dict], cfg: dict) -> None:
     contexts = cfg["contexts"]
     fig, axes = plt.subplots(1, len(contexts), figsize=(4.6 * len(contexts), 4.2), squeeze=False)
     for ax, context in zip(axes[0], contexts, strict=True):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # a dozen series, none sharing a colour
+        ax.set_yscale("log")
         for name in dict.fromkeys(r["iteration"] for r in rows):
             pts = sorted((r["batch"], r["over_bytes"]) for r in rows
                          if r["iteration"] == name and r["context"] == context)

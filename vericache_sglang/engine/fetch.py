@@ -17,6 +17,7 @@ from remote_store.backends.base import StoreError
 from remote_store.fullkv import RequestKV
 from remote_store.subset import Held
 from vericache_sglang.core.kv import FullKV
+from vericache_sglang.engine.runner import ResidentKV
 
 
 class FetchError(StoreError):
@@ -30,6 +31,10 @@ class RoomyLayers:
     def __init__(self, num_layers: int, room: int):
         self.room = room
         self.layers: list[tuple[torch.Tensor, torch.Tensor, int] | None] = [None] * num_layers
+
+    def adopt(self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor, n: int) -> None:
+        """Use buffers that already hold the layer's ``n`` rows with room after them."""
+        self.layers[layer] = (k_buf, v_buf, n)
 
     def place(self, layer: int, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> None:
         """Copy the layer into its buffer (on ``device``: the host-to-device copy lands there)."""
@@ -134,18 +139,26 @@ class FullKVFetch:
 
 
 class ResidentFeed:
-    """A full KV already in memory, served like a fetch (the recompute fallback); with ``room``
-    it is copied once into roomy buffers, so verify passes over it write in place."""
+    """A full KV already in memory, served like a fetch (the recompute fallback)."""
 
-    def __init__(self, full: FullKV, room: int = 0):
+    def __init__(self, full: FullKV):
         self.full = full
         self.wait_s = 0.0
         self.bytes_fetched = 0
         self.arrival: list[float | None] = []
-        self._roomy = RoomyLayers(full.layout.num_layers, room) if room else None
-        if self._roomy is not None:
-            for layer, (k, v) in enumerate(full.layers):
-                self._roomy.place(layer, k, v, k.device)
+        self._roomy: RoomyLayers | None = None
+
+    @classmethod
+    def of_resident(cls, resident: ResidentKV) -> ResidentFeed:
+        """A resident KV's own buffers, their room past its length taking the verify pass's
+        tokens (nothing copied; the resident's next append overwrites them)."""
+        feed = cls(resident.to_full())
+        room = resident.k[0].shape[1] - resident.length
+        if room:
+            feed._roomy = RoomyLayers(resident.layout.num_layers, room)
+            for layer, (k, v) in enumerate(zip(resident.k, resident.v, strict=True)):
+                feed._roomy.adopt(layer, k, v, resident.length)
+        return feed
 
     def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.full.layers[layer]

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-PROBE_BYTES = 1 << 30  # 1 GiB: beyond any CPU's last-level cache and a GPU's L2 many times over
+PROBE_BYTES = 2 << 30  # 2 GiB: 4x the 480 MiB L3 of these machines, a GPU's L2 many times over
 PROBE_READS = 9
 
 
@@ -70,3 +70,4 @@ def streaming_read_bandwidth(device: str = "cpu", nbytes: int = PROBE_BYTES, rea
 def memory_bandwidth(device: str = "cpu") -> float:
     """The engine's device-memory bandwidth in bytes/s (the probe's median), what links are set against."""
     return streaming_read_bandwidth(device).bytes_s
+

@@ -152,7 +152,7 @@ class VeriCacheRequest:
     # fetch
     def start_fetch(self) -> None:
         if self.resident is not None:
-            self.feed = ResidentFeed(self.resident.to_full())
+            self.feed = ResidentFeed.of_resident(self.resident)
         else:
             # The rows the compressed KV holds bit-exactly need not cross the link again.
             # Room for the verify pass's tokens: the committed ones the store lacks, then the drafts.
@@ -185,7 +185,7 @@ class VeriCacheRequest:
         log.warning("request %s: full-KV fetch failed (%s); recomputing the full KV", self.request_id, error)
         self.stats.store_fallbacks += 1
         self.resident = self._recompute(self.tokens[: self.exact_upto])
-        self.feed = ResidentFeed(self.resident.to_full())
+        self.feed = ResidentFeed.of_resident(self.resident)
 
     # drafting
     def begin_window(self, x: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from vericache_sglang.core.compress.base import QuantizingCompressor
-from vericache_sglang.core.compress.quant import dequantize, pack, quantize, unpack
+from vericache_sglang.core.compress.quant import dequantize_packed, pack, quantize
 from vericache_sglang.core.kv import CompressedLayer
 
 
@@ -72,19 +72,17 @@ class KIVILayer(CompressedLayer):
     def dequantized_keys(self) -> torch.Tensor:
         parts = []
         for packed, scale, mn in zip(self.k_blocks.codes, self.k_blocks.scales, self.k_blocks.mins, strict=True):
-            codes = unpack(packed, self.bits)
-            h, n, d = codes.shape
-            parts.append(dequantize(codes.view(h, n // self.group, self.group, d), scale, mn,
-                                    self.dtype).view(h, n, d))
+            h, n, d = packed.shape[0], packed.shape[1], packed.shape[2] * (8 // self.bits)
+            parts.append(dequantize_packed(packed, self.bits, scale, mn, (h, n // self.group, self.group, d),
+                                           self.dtype).view(h, n, d))
         return torch.cat([*parts, self.k_res], dim=1)
 
     def dequantized_values(self) -> torch.Tensor:
         parts = []
         for packed, scale, mn in zip(self.v_blocks.codes, self.v_blocks.scales, self.v_blocks.mins, strict=True):
-            codes = unpack(packed, self.bits)
-            h, n, d = codes.shape
-            parts.append(dequantize(codes.view(h, n, d // self.group, self.group), scale, mn,
-                                    self.dtype).view(h, n, d))
+            h, n, d = packed.shape[0], packed.shape[1], packed.shape[2] * (8 // self.bits)
+            parts.append(dequantize_packed(packed, self.bits, scale, mn, (h, n, d // self.group, self.group),
+                                           self.dtype).view(h, n, d))
         return torch.cat([*parts, self.v_res], dim=1)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
