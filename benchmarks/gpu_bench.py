@@ -65,7 +65,7 @@ def section_bandwidth(device: str, quick: bool) -> dict:
 
     n = (16 << 20) if quick else (1 << 30)
     probe = streaming_read_bandwidth(device, n)
-    out = {"memory_bytes_s": probe.bytes_s, "memory_probe": probe.to_dict()}
+    out = {"memory_bytes_s": probe.bytes_s, "memory_probe": probe.describe()}
     if device != "cpu":
         host = torch.empty(n // 4, dtype=torch.float32).pin_memory()
         dev = torch.empty(n // 4, dtype=torch.float32, device=device)
@@ -124,8 +124,10 @@ def section_decode(shape: str, device: str, dtype_name: str, quick: bool, deadli
             for r in resident:
                 r.truncate(context)
 
-        def draft_step(b=b):
-            runner.forward([Segment([1], [context], DraftKV(ckv), logits="last") for _ in range(b)])
+        ckvs = [ckv.clone() for _ in range(b)]  # each request its own (a window drafts in its KV's room)
+
+        def draft_step(ckvs=ckvs):
+            runner.forward([Segment([1], [context], DraftKV(c), logits="last") for c in ckvs])
 
         def verify_pass():
             ctx = [ResidentKV.from_full(full, context + horizon + 1, device) for _ in range(1)]
@@ -311,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2, default=str))
     lines = [f"# gpu_bench on {results['device']} ({shape}, torch {torch.__version__})", ""]
     for k, v in results.get("bandwidth", {}).items():
-        lines.append(f"- {k}: {v / 1e9:.1f} GB/s" if k.endswith("bytes_s") else f"- {k}: {v:.1f}")
+        if isinstance(v, str):
+            lines.append(f"- {k}: {v}")
+        else:
+            lines.append(f"- {k}: {v / 1e9:.1f} GB/s" if k.endswith("bytes_s") else f"- {k}: {v:.1f}")
     for r in results.get("decode", {}).get("rows", []):
         lines.append(f"- batch {r['batch']}, context {r['context']}: full step {1e3 * r['full_decode_step_s']:.2f} ms, "
                      f"compressed draft step {1e3 * r['compressed_draft_step_s']:.2f} ms, "
