@@ -32,6 +32,14 @@ class ComposedLayer(CompressedLayer):
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.read()
 
+    def read_with_drafts(self, offset: int, k: torch.Tensor, v: torch.Tensor,
+                         query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.inner.read_with_drafts(offset, k, v, query)
+
+    @property
+    def reserved_nbytes(self) -> int:
+        return self.inner.reserved_nbytes
+
     def exact_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         exact = self.inner.exact_kv()
         if exact is None:
