@@ -45,9 +45,9 @@ def test_dropped_layer_counts_content_bytes_and_appends_in_place():
     layer = DroppedLayer(rows(5), rows(5), torch.arange(5, dtype=torch.int32).expand(2, -1).contiguous())
     content = layer.nbytes
     layer.append(rows(1, 5), rows(1, 5), torch.tensor([5]))
-    buffer = layer._k._buf.data_ptr()
+    buffer = layer._keys_rows._buf.data_ptr()
     layer.append(rows(1, 6), rows(1, 6), torch.tensor([6]))
-    assert layer._k._buf.data_ptr() == buffer  # no reallocation per commit
+    assert layer._keys_rows._buf.data_ptr() == buffer  # no reallocation per commit
     assert layer.num_tokens == 7 and layer.positions[0].tolist() == list(range(7))
     assert layer.nbytes == content * 7 // 5 and layer.reserved_nbytes > 0
 

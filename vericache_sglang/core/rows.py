@@ -66,3 +66,20 @@ class GrowingRows:
         self._reserve(end, start)  # the window's earlier rows are carried over too
         self._buf[:, start:end] = rows
         return self._buf[:, :end]
+
+
+class RowsField:
+    """A class attribute that holds a tensor as ``GrowingRows``: reading it gives the content view,
+    assigning it starts new rows, and the rows themselves (to append or draft) are the instance's
+    ``_<name>_rows``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}_rows"
+
+    def __get__(self, obj: object, owner: type | None = None) -> torch.Tensor:
+        if obj is None:
+            return self  # type: ignore[return-value]
+        return getattr(obj, self.slot).view
+
+    def __set__(self, obj: object, value: torch.Tensor) -> None:
+        setattr(obj, self.slot, GrowingRows(value))

@@ -57,10 +57,10 @@ class Engine:
         backend = self.store.backend
         report: dict[str, object] = {"url": backend.url.split("@")[-1]}
         if isinstance(backend, LinkEmulator):
+            probe = streaming_read_bandwidth(str(self.runner.device))  # what the link was set against
             report.update(link_bandwidth_bytes_s=backend.bandwidth_bytes_s, link_ratio=backend.ratio,
                           link_bytes_moved=backend.bytes_moved, link_transfer_s=round(backend.transfer_s, 4),
-                          memory_bandwidth_bytes_s=memory_bandwidth(str(self.runner.device)),
-                          memory_probe=streaming_read_bandwidth(str(self.runner.device)).to_dict())
+                          memory_bandwidth_bytes_s=probe.bytes_s, memory_probe=probe.to_dict())
         return report
 
     @property

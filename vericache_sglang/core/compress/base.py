@@ -16,7 +16,7 @@ from typing import ClassVar, Literal, Protocol
 import torch
 
 from vericache_sglang.core.kv import CompressedKV, CompressedLayer, FullKV
-from vericache_sglang.core.rows import GrowingRows
+from vericache_sglang.core.rows import GrowingRows, RowsField
 
 
 @dataclass(frozen=True)
@@ -249,36 +249,19 @@ class DroppedLayer(CompressedLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
         if positions.shape != keys.shape[:2]:
             raise ValueError(f"positions {tuple(positions.shape)} do not match keys {tuple(keys.shape)}")
-        self._k, self._v, self._pos = GrowingRows(keys), GrowingRows(values), GrowingRows(positions)
+        self.keys, self.values, self.positions = keys, values, positions
 
     # The kept rows, as views of buffers with room after them (commits append in place).
-    @property
-    def keys(self) -> torch.Tensor:
-        return self._k.view
+    keys = RowsField()
+    values = RowsField()
+    positions = RowsField()
 
-    @keys.setter
-    def keys(self, t: torch.Tensor) -> None:
-        self._k = GrowingRows(t)
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self._v.view
-
-    @values.setter
-    def values(self, t: torch.Tensor) -> None:
-        self._v = GrowingRows(t)
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self._pos.view
-
-    @positions.setter
-    def positions(self, t: torch.Tensor) -> None:
-        self._pos = GrowingRows(t)
+    def _rows(self) -> tuple[GrowingRows, GrowingRows, GrowingRows]:
+        return self._keys_rows, self._values_rows, self._positions_rows
 
     @property
     def reserved_nbytes(self) -> int:
-        return self._k.reserved_nbytes + self._v.reserved_nbytes + self._pos.reserved_nbytes
+        return sum(r.reserved_nbytes for r in self._rows())
 
     @classmethod
     def gather(cls, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> DroppedLayer:
@@ -302,13 +285,13 @@ class DroppedLayer(CompressedLayer):
 
     def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         pos = positions.to(torch.int32).to(self.positions.device).expand(k.shape[0], -1)
-        self._k.append(k)
-        self._v.append(v)
-        self._pos.append(pos)
+        for rows, new in zip(self._rows(), (k, v, pos), strict=True):
+            rows.append(new)
 
     def read_with_drafts(self, offset: int, k: torch.Tensor, v: torch.Tensor,
                          query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._k.with_tail(offset, k), self._v.with_tail(offset, v)
+        keys, values, _ = self._rows()
+        return keys.with_tail(offset, k), values.with_tail(offset, v)
 
     def keep_columns(self, cols: torch.Tensor) -> None:
         """Keep the columns ``cols`` (``[kv_heads, n]`` indices into this layer's tokens)."""

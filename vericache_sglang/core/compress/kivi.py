@@ -15,7 +15,7 @@ import torch
 from vericache_sglang.core.compress.base import QuantizingCompressor
 from vericache_sglang.core.compress.quant import dequantize_packed, pack, quantize
 from vericache_sglang.core.kv import CompressedLayer
-from vericache_sglang.core.rows import GrowingRows
+from vericache_sglang.core.rows import RowsField
 
 
 @dataclass
@@ -50,29 +50,24 @@ class KIVILayer(CompressedLayer):
         self.k_blocks = QuantBlocks(bits)
         self.v_blocks = QuantBlocks(bits)
         self.quantized_tokens = 0
-        # The full-precision residual, in buffers with room: commits append in place and a draft
-        # window's tokens are written after it (one concatenation per read, not two).
-        self._k_res, self._v_res = GrowingRows(k_res), GrowingRows(v_res)
+        self.k_res, self.v_res = k_res, v_res
 
-    @property
-    def k_res(self) -> torch.Tensor:
-        return self._k_res.view
-
-    @property
-    def v_res(self) -> torch.Tensor:
-        return self._v_res.view
+    # The full-precision residual, in buffers with room: commits append in place and a draft
+    # window's tokens are written after it (one concatenation per read, not two).
+    k_res = RowsField()
+    v_res = RowsField()
 
     def append_residual(self, k: torch.Tensor, v: torch.Tensor, residual: int) -> None:
         """Append committed tokens to the residual; once it holds ``residual`` or more, quantize
         its whole multiples of ``residual`` as a block and keep the rest."""
-        self._k_res.append(k)
-        self._v_res.append(v)
-        n = self._k_res.length
+        self._k_res_rows.append(k)
+        self._v_res_rows.append(v)
+        n = self._k_res_rows.length
         nq = n - n % residual
         if nq:
             k_res, v_res = self.k_res, self.v_res
             self.quantize_block(k_res[:, :nq], v_res[:, :nq])
-            self._k_res, self._v_res = GrowingRows(k_res[:, nq:].clone()), GrowingRows(v_res[:, nq:].clone())
+            self.k_res, self.v_res = k_res[:, nq:].clone(), v_res[:, nq:].clone()
 
     def quantize_block(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize ``k, v`` (``[heads, n, dim]``, ``n`` a multiple of ``group``) and append them."""
@@ -90,41 +85,36 @@ class KIVILayer(CompressedLayer):
 
     @property
     def reserved_nbytes(self) -> int:
-        return self._k_res.reserved_nbytes + self._v_res.reserved_nbytes
+        return self._k_res_rows.reserved_nbytes + self._v_res_rows.reserved_nbytes
 
     @property
     def num_tokens(self) -> int:
         return self.quantized_tokens + self.k_res.shape[1]
 
-    def _key_blocks(self) -> list[torch.Tensor]:
-        parts = []
-        for packed, scale, mn in zip(self.k_blocks.codes, self.k_blocks.scales, self.k_blocks.mins, strict=True):
+    def _dequantized(self, blocks: QuantBlocks, per_channel: bool) -> list[torch.Tensor]:
+        """Each block as ``[heads, n, dim]`` in the model dtype: keys grouped over tokens (per
+        channel), values over channels (per token)."""
+        parts, g = [], self.group
+        for packed, scale, mn in zip(blocks.codes, blocks.scales, blocks.mins, strict=True):
             h, n, d = packed.shape[0], packed.shape[1], packed.shape[2] * (8 // self.bits)
-            parts.append(dequantize_packed(packed, self.bits, scale, mn, (h, n // self.group, self.group, d),
-                                           self.dtype).view(h, n, d))
-        return parts
-
-    def _value_blocks(self) -> list[torch.Tensor]:
-        parts = []
-        for packed, scale, mn in zip(self.v_blocks.codes, self.v_blocks.scales, self.v_blocks.mins, strict=True):
-            h, n, d = packed.shape[0], packed.shape[1], packed.shape[2] * (8 // self.bits)
-            parts.append(dequantize_packed(packed, self.bits, scale, mn, (h, n, d // self.group, self.group),
-                                           self.dtype).view(h, n, d))
+            grouped = (h, n // g, g, d) if per_channel else (h, n, d // g, g)
+            parts.append(dequantize_packed(packed, self.bits, scale, mn, grouped, self.dtype).view(h, n, d))
         return parts
 
     def dequantized_keys(self) -> torch.Tensor:
-        return torch.cat([*self._key_blocks(), self.k_res], dim=1)
+        return torch.cat([*self._dequantized(self.k_blocks, per_channel=True), self.k_res], dim=1)
 
     def dequantized_values(self) -> torch.Tensor:
-        return torch.cat([*self._value_blocks(), self.v_res], dim=1)
+        return torch.cat([*self._dequantized(self.v_blocks, per_channel=False), self.v_res], dim=1)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.dequantized_keys(), self.dequantized_values()
 
     def read_with_drafts(self, offset: int, k: torch.Tensor, v: torch.Tensor,
                          query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        k_tail, v_tail = self._k_res.with_tail(offset, k), self._v_res.with_tail(offset, v)
-        return torch.cat([*self._key_blocks(), k_tail], dim=1), torch.cat([*self._value_blocks(), v_tail], dim=1)
+        k_tail, v_tail = self._k_res_rows.with_tail(offset, k), self._v_res_rows.with_tail(offset, v)
+        return (torch.cat([*self._dequantized(self.k_blocks, per_channel=True), k_tail], dim=1),
+                torch.cat([*self._dequantized(self.v_blocks, per_channel=False), v_tail], dim=1))
 
     def exact_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The residual is exact; quantized tokens are not.
