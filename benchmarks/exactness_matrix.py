@@ -17,7 +17,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = {name: HERE / "prompts" / f"{name}.txt" for name in ("code", "prose", "tools")}
-COMPRESSORS = ["snapkv:ratio=0.125", "kivi:bits=2", "streamingllm:window=256"]
+COMPRESSORS = ["snapkv:ratio=0.125", "kivi:bits=2", "streamingllm:window=256",
+               # drafting modifiers (issue #16): the recommended configuration, and refresh with trusted lookup
+               "snapkv:ratio=0.03125+refresh:ratio=0.09375,span=16+lookup:trust=0",
+               "h2o:ratio=0.03125+refresh:ratio=0.09375,span=16+lookup:trust=4"]
 GREEDY_HORIZONS = (16, 32)
 SAMPLED_HORIZON = 16
 SAMPLED_SEED, SAMPLED_TEMPERATURE = 1234, 0.8

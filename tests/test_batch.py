@@ -32,10 +32,11 @@ def refs(tiny_runner, pres):
     return [generate_full(tiny_runner, p, gen()) for p in pres]
 
 
-def run_batch(runner, pres, mode, schedule="staggered", budget_units=2.5, cfg=None, link_bytes_s=5e8, **batch):
+def run_batch(runner, pres, mode, schedule="staggered", budget_units=2.5, cfg=None, link_bytes_s=5e8, spec=SPEC,
+              **batch):
     unit = (320 + 24) * runner.layout.bytes_per_token
     store = FullKVStore(LinkEmulator(MemoryStore(), link_bytes_s), runner.layout, chunk_tokens=32)
-    engine = BatchEngine(runner, store, parse_spec(SPEC),
+    engine = BatchEngine(runner, store, parse_spec(spec),
                          BatchConfig(mode=mode, schedule=schedule, kv_budget_bytes=int(budget_units * unit),
                                      window=48, **batch), cfg or gen())
     for i, p in enumerate(pres):
@@ -54,6 +55,18 @@ def test_every_exact_mode_is_identical_to_full_kv(tiny_runner, pres, refs, mode,
         assert cmp["identical"], (i, cmp)
     assert engine.stats.peak_device_bytes <= engine.batch.kv_budget_bytes
     assert engine.stats.generated_tokens == 5 * 24
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "staggered"])
+def test_drafting_modifiers_in_a_batch_are_identical_to_full_kv(tiny_runner, pres, refs, schedule, exactness):
+    """Refresh and trusted lookup chains (multi-token draft segments) batched with other requests."""
+    spec = "snapkv:ratio=0.125,window=16+refresh:ratio=0.125+lookup:min_ngram=1,trust=1"
+    outs, _ = run_batch(tiny_runner, pres, "vericache", schedule, spec=spec)
+    for i, (ref, out) in enumerate(zip(refs, outs, strict=True)):
+        cmp = compare(ref, out)
+        exactness(f"tiny batch {schedule} {spec} request {i}", cmp)
+        assert cmp["identical"], (i, cmp)
+    assert sum(o.stats.lookup_drafted for o in outs) > 0
 
 
 def test_budget_limits_resident_concurrency_more_than_vericache(tiny_runner, pres):

@@ -21,7 +21,10 @@ from vericache_sglang.engine.fetch import FetchError
 from vericache_sglang.engine.model import ModelError, load_model
 from vericache_sglang.engine.runner import ModelRunner, ResidentKV, Segment
 
-COMPRESSORS = ["snapkv:ratio=0.25,window=16", "kivi:bits=2,group=16,residual=32", "streamingllm:sink=4,window=32"]
+COMPRESSORS = ["snapkv:ratio=0.25,window=16", "kivi:bits=2,group=16,residual=32", "streamingllm:sink=4,window=32",
+               # verification-guided refresh; prompt lookup composed (trusted, and model-checked only)
+               "snapkv:ratio=0.125,window=16+refresh:ratio=0.125", "streamingllm:sink=4,window=32+lookup:trust=2",
+               "h2o:ratio=0.125+refresh:ratio=0.0625+lookup:trust=0"]
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7)
 
 

@@ -8,6 +8,8 @@ import sys
 import pytest
 from conftest import PROMPTS
 
+from vericache_sglang.bench.acceptance import Trajectory, replay
+from vericache_sglang.core.compress import RECOMMENDED, parse_spec
 from vericache_sglang.core.sampling import SamplingParams
 from vericache_sglang.engine.engine import compare
 
@@ -52,6 +54,28 @@ def test_seeded_sampling_identical(real_engine, pre, sampled_ref, exactness):
     res = real_engine.generate(pre, "vericache", "snapkv:ratio=0.125", cfg)
     cmp = compare(sampled_ref, res)
     exactness("SmolLM2 prose sampled T=0.8 snapkv:ratio=0.125", cmp)
+    assert cmp["identical"], cmp
+
+
+@pytest.mark.parametrize("spec", [RECOMMENDED, "h2o:ratio=0.03125+refresh:ratio=0.09375,span=16+lookup:trust=4"])
+def test_refresh_and_lookup_are_exact_and_draft_from_both_sources(real_engine, pre, greedy_ref, sampled_ref, spec,
+                                                                  exactness):
+    """Issue #16's CI set: one refresh configuration with model-checked lookup (the recommended one)
+    and one with trusted lookup; greedy and seeded sampling identical to full-KV decoding, lookup
+    chains drafted and accepted, and the replay estimator equal to the live run."""
+    cfg = real_engine.config(max_new_tokens=NEW_TOKENS, keep_logits=True, horizon=16)
+    res = real_engine.generate(pre, "vericache", spec, cfg)
+    cmp = compare(greedy_ref, res)
+    exactness(f"SmolLM2 prose greedy {spec}", cmp, accepted_length=res.stats.mean_accepted_length)
+    assert cmp["identical"], cmp
+    assert res.stats.lookup_drafted > 0 and res.stats.lookup_accepted > 0
+    assert res.stats.compressed_kv_bytes < res.stats.full_kv_bytes / 6
+    est = replay(real_engine.runner, pre, Trajectory.of(real_engine.runner, pre, greedy_ref), parse_spec(spec), 16)
+    assert est["committed"] == res.stats.committed
+    sampled = real_engine.generate(pre, "vericache", spec, real_engine.config(
+        max_new_tokens=NEW_TOKENS, keep_logits=True, horizon=16, sampling=SAMPLED))
+    cmp = compare(sampled_ref, sampled)
+    exactness(f"SmolLM2 prose sampled T=0.8 {spec}", cmp)
     assert cmp["identical"], cmp
 
 

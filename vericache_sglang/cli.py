@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -138,8 +139,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_compressors(args: argparse.Namespace) -> int:
-    from vericache_sglang.core.compress import describe_compressors
+    from vericache_sglang.core.compress import MODIFIER_SUMMARIES, MODIFIERS, RECOMMENDED, describe_compressors
 
+    if args.recommended:
+        print(RECOMMENDED)  # alone on stdout: --compressor "$(vericache compressors --recommended)"
+        return 0
     table = describe_compressors()
     if args.json:
         print(json.dumps(table, indent=2))
@@ -148,6 +152,11 @@ def cmd_compressors(args: argparse.Namespace) -> int:
         params = ", ".join(f"{k}={v['default']}" for k, v in c["parameters"].items())
         print(f"{c['name']:<20} {c['kind']:<13} {params}\n{'':<20} {c['summary']}")
     print("\ncompose a dropper and a quantizer with '+', e.g. snapkv:ratio=0.25+kivi:bits=4")
+    print("\ndrafting modifiers, after the compressor with '+', in this order:")
+    for name, params in MODIFIERS.items():
+        defaults = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(params))
+        print(f"{name:<20} {'modifier':<13} {defaults}\n{'':<20} {MODIFIER_SUMMARIES[name]}")
+    print(f"\nrecommended (README): {RECOMMENDED}")
     return 0
 
 
@@ -399,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_tools(sub)
     p = sub.add_parser("compressors", help="list the compressors, their parameters and defaults")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--recommended", action="store_true",
+                   help="print only the spec of the configuration the README recommends")
     p.set_defaults(func=cmd_compressors)
     p = sub.add_parser("bench", help="run a benchmark: longctx (long-context decoding), prefix (remote prefixes), "
                                      "sglang (stock SGLang against VeriCache servers on this CPU) or steps (the "

@@ -21,6 +21,7 @@ import torch
 
 from vericache_sglang.core.compress import Compressor
 from vericache_sglang.core.horizon import WindowCost
+from vericache_sglang.core.lookup import LookupParams, NgramIndex, Proposal
 from vericache_sglang.engine.generation import GenerationResult, Prefill
 from vericache_sglang.engine.runner import DraftKV, ModelRunner, ResidentKV, Segment
 
@@ -138,3 +139,105 @@ def kl_curve(runner: ModelRunner, pre: Prefill, traj: Trajectory, compressor: Co
         lossy = step.logits[0].float().log_softmax(-1)
         out.append(float((full.exp() * (full - lossy)).sum()))
     return out
+
+
+@dataclass
+class WindowReplay:
+    """One window replayed along the trajectory: what the engine would draft and accept."""
+
+    accepted: int
+    drafted: int
+    forwards: int  # draft forwards (past the first mismatch: as if the drafts had matched)
+    lookup_drafted: int
+    lookup_accepted: int
+
+
+def replay_window(truth: list[int], model: list[int] | None, propose: Callable[[int, int], Proposal | None],
+                  x: int, lookup: LookupParams | None) -> WindowReplay:
+    """The drafting policy of ``engine/request.py`` over one window of horizon ``x``: ``truth[j]``
+    is the trajectory's token at draft ``j``, ``model[j]`` the compressed KV's prediction there
+    (teacher-forced; None: prompt lookup alone), ``propose(j, room)`` the lookup at draft ``j``."""
+    drafts: list[tuple[int, str]] = []
+    forwards = 0 if model is None else 1  # the window's first forward feeds the committed token
+    j = 0
+    while j < x:
+        prop = propose(j, min(lookup.max_tokens, x - j)) if lookup is not None else None
+        if model is None:
+            if prop is None:
+                break
+            chain, trusted = prop.tokens, True
+        elif prop is not None and (prop.tokens[0] == model[j] or lookup.trusted(prop.match)):
+            chain, trusted = prop.tokens, lookup.trusted(prop.match)
+        else:
+            chain, trusted = None, False
+        if chain is None:
+            drafts.append((model[j], "model"))
+            j += 1
+            forwards += j < x
+            continue
+        for i, token in enumerate(chain):
+            if i and not trusted and token != model[j + i]:  # the model's token; the chain ends
+                drafts.append((model[j + i], "model"))
+                j += i + 1
+                forwards += j < x
+                break
+            drafts.append((token, "lookup"))
+        else:
+            j += len(chain)
+            forwards += model is not None and (j < x or (len(chain) > 1 and not trusted))
+    accepted = next((i for i, (t, _) in enumerate(drafts) if t != truth[i]), len(drafts))
+    return WindowReplay(accepted, len(drafts), forwards, sum(s == "lookup" for _, s in drafts),
+                        sum(s == "lookup" for _, s in drafts[:accepted]))
+
+
+def replay(runner: ModelRunner, pre: Prefill, traj: Trajectory, compressor: Compressor, horizon: int,
+           n_tokens: int | None = None) -> dict:
+    """Windows of a static horizon along the trajectory, as the engine runs them, for the drafting
+    that depends on where windows fall: verification-guided refresh (rows re-chosen by each
+    verification's committed queries) and prompt lookup (the index holds the committed tokens).
+    The compressed KV is folded and refreshed window by window exactly as the engine does."""
+    g, p = traj.tokens, len(pre.tokens)
+    n = len(g) if n_tokens is None else n_tokens
+    lookup = compressor.lookup
+    model = lookup is None or lookup.model
+    ckv = compressor.compress(pre.kv, pre.obs)
+    index = NgramIndex(lookup) if lookup is not None else None
+    if index is not None:
+        index.extend([*pre.tokens, g[0]])
+    keep_q = compressor.update_queries
+    history = [*pre.tokens, *g]
+    c, windows = 1, []
+    while c < n:
+        x = max(0, min(horizon, n - c - 1))
+        predicted = None
+        if model and x:
+            out = runner.forward([Segment(g[c - 1 : c - 1 + x], list(range(p + c - 1, p + c - 1 + x)),
+                                          DraftKV(ckv))])[0]
+            predicted = out.logits.argmax(dim=-1).tolist()
+        def propose(j: int, room: int, c: int = c) -> Proposal | None:
+            tail = history[max(0, p + c + j - lookup.max_ngram) : p + c + j]
+            return index.propose(tail, p + c, room)
+
+        w = replay_window(g[c : c + x], predicted, propose, x, lookup)
+        windows.append(w)
+        t = w.accepted + 1  # the committed tokens; their inputs g[c-1 .. c+t-2] become exact
+        a, b = c - 1, c - 1 + t
+        exact = [(k[:, a:b], v[:, a:b]) for k, v in traj.kv]
+        queries = [q[:, a:b] for q in traj.queries] if keep_q else None
+        compressor.commit(ckv, exact, torch.arange(p + a, p + b), queries)
+        if compressor.refreshes:
+            full = [[(pk, pv), (k[:, :a], v[:, :a]), (k[:, a:b], v[:, a:b])]
+                    for (pk, pv), (k, v) in zip(pre.kv.layers, traj.kv, strict=True)]
+            compressor.refresh(ckv, full, queries)
+        if index is not None:
+            index.extend(g[c : c + t])
+        c += t
+    committed = [w.accepted + 1 for w in windows]
+    drafted = sum(w.drafted for w in windows)
+    return {"windows": len(windows), "drafted": drafted, "accepted": sum(w.accepted for w in windows),
+            "mean_accepted_length": sum(committed) / len(committed) if committed else 0.0,
+            "acceptance_rate": sum(w.accepted for w in windows) / drafted if drafted else 0.0,
+            "committed": committed, "horizons": [w.drafted for w in windows],
+            "forwards": [w.forwards for w in windows],
+            "lookup_drafted": sum(w.lookup_drafted for w in windows),
+            "lookup_accepted": sum(w.lookup_accepted for w in windows)}

@@ -60,6 +60,8 @@ class GenerationStats:
     drafted: list[int] = field(default_factory=list)  # per verification
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted, per verification
     committed: list[int] = field(default_factory=list)  # tokens committed, per verification
+    lookup_drafted: int = 0  # drafts from prompt lookup (the rest from the compressed KV's model)
+    lookup_accepted: int = 0  # of them, accepted
     fetch_bytes: list[int] = field(default_factory=list)  # full-KV bytes moved, per verification
     fetch_wait_s: float = 0.0  # verify time spent waiting for full-KV layers
     store_put_bytes: int = 0

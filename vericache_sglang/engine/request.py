@@ -20,6 +20,7 @@ from vericache_sglang.core.accept import Verdict, greedy_accept, rejection_accep
 from vericache_sglang.core.compress import Compressor
 from vericache_sglang.core.horizon import AdaptiveHorizon, WindowCost
 from vericache_sglang.core.kv import CompressedKV
+from vericache_sglang.core.lookup import NgramIndex, Proposal
 from vericache_sglang.core.sampling import STREAM_DRAFT, Sampler
 from vericache_sglang.engine.fetch import FetchError, FullKVFetch, ResidentFeed
 from vericache_sglang.engine.generation import GenerationConfig, GenerationResult, Output, Prefill, VerifyTiming
@@ -72,6 +73,11 @@ class VeriCacheRequest:
         self._grammar_halted = False  # a draft it could not take: drafting stops there
         self.x = 0
         self._draft_ctx: DraftKV | None = None
+        self._unfed: list[int] = []
+        self._chain = self._chain_match = 0
+        self._sources: list[str] = []  # each draft's source: "model" or "lookup"
+        self.lookup = compressor.lookup
+        self.lookup_index: NgramIndex | None = None  # over the committed tokens, built below
         # Measured costs for the adaptive horizon (exponential averages): per draft step, per verify
         # pass (compute, fetch wait excluded), and the link's bytes per second.
         self.policy = AdaptiveHorizon(max_horizon=cfg.horizon) if cfg.adaptive_horizon else None
@@ -102,6 +108,9 @@ class VeriCacheRequest:
             self.exact_upto = prefix_len
             self.pending = None
         self.request_id = self.kv.request_id
+        if self.lookup is not None:
+            self.lookup_index = NgramIndex(self.lookup)
+            self.lookup_index.extend(self.tokens)
 
     @property
     def done(self) -> bool:
@@ -187,44 +196,144 @@ class VeriCacheRequest:
         self.resident = self._recompute(self.tokens[: self.exact_upto])
         self.feed = ResidentFeed.of_resident(self.resident)
 
-    # drafting
+    # drafting: the compressed KV's model, composed with prompt-lookup chains (core/lookup.py)
     def begin_window(self, x: int) -> None:
         self._window_started = time.monotonic()
         self.x = x
-        self.drafts, self.draft_probs, self.draft_masks = [], [], []
+        self.drafts, self.draft_probs, self.draft_masks, self._sources = [], [], [], []
         self._grammar_walked, self._grammar_halted = 0, False
         self._draft_ctx = DraftKV(self.ckv)
+        self._unfed = list(self.tokens[self.exact_upto :])  # inputs the window's KV lacks yet
+        self._chain, self._chain_match = 0, 0  # a lookup chain at the end of the drafts, unchecked
+        if self.lookup is not None and not self.lookup.model:  # prompt lookup alone: no forward
+            while len(self.drafts) < x and self._push_chain(self._propose(), trusted=True):
+                pass
+            self._unfed = []
 
     @property
     def drafting(self) -> bool:
+        """Whether the window needs another draft forward."""
+        if not self._unfed or self._grammar_halted:
+            return False
+        if self._chain > 1 and not self.lookup.trusted(self._chain_match):
+            return True  # the model checks the chain, so the drafts are the model's own
         eos = self.drafts and self.drafts[-1] in self.cfg.eos_token_ids  # nothing after an end is committed
-        return len(self.drafts) < self.x and not eos and not self._grammar_halted
+        return len(self.drafts) < self.x and not eos
 
     def draft_segment(self) -> Segment:
-        if not self.drafts:  # the committed tokens without exact KV (usually just the last one)
-            return Segment(self.tokens[self.exact_upto :], list(range(self.exact_upto, len(self.tokens))),
-                           self._draft_ctx, logits="last")
-        return Segment([self.drafts[-1]], [len(self.tokens) - 1 + len(self.drafts)], self._draft_ctx, logits="last")
+        """The inputs the window's KV lacks: the committed tokens without exact KV (at the window's
+        start), the last model draft, or a lookup chain (whose every row the model checks)."""
+        pos = len(self.tokens) + len(self.drafts) - len(self._unfed)
+        return Segment(list(self._unfed), list(range(pos, pos + len(self._unfed))), self._draft_ctx,
+                       logits="all" if self._chain else "last")
 
     def take_draft(self, out: SegmentOutput) -> None:
-        pos = len(self.tokens) + len(self.drafts)  # the drafted token's position
-        logits = out.logits
+        self.stats.decode_steps += 1
+        rows = out.logits
+        if self._chain:
+            first = len(self.drafts) - self._chain  # the chain's first draft (checked when proposed)
+            trusted = self.lookup.trusted(self._chain_match)
+            for i in range(1, self._chain):  # draft first + i, predicted by the chain's row i - 1
+                idx = first + i
+                token, probs, mask = self._choose(rows[i - 1 : i], idx)
+                if token == self.drafts[idx] or trusted:
+                    if not trusted and self.rejection:  # drafted iff the model drew it: its distribution
+                        self.draft_probs[idx] = probs
+                    continue
+                self._pop(len(self.drafts) - idx)  # the model disagrees: its token from here
+                self._draft_ctx.forget(self._chain - i)
+                self._push(token, probs, mask, "model")
+                self._unfed, self._chain = [token], 0
+                return
+        self._unfed, self._chain = [], 0
+        if len(self.drafts) < self.x and not self._grammar_halted and not (
+                self.drafts and self.drafts[-1] in self.cfg.eos_token_ids):
+            self._decide(rows[-1:])
+
+    def _decide(self, logits: torch.Tensor) -> None:
+        """The next draft, the model's next-token logits known: a lookup chain where the lookup
+        agrees with the model's token (or its match is trusted), else the model's token."""
+        token, probs, mask = self._choose(logits, len(self.drafts))
+        proposal = self._propose()
+        if proposal is not None and (proposal.tokens[0] == token or self.lookup.trusted(proposal.match)):
+            trusted = self.lookup.trusted(proposal.match)
+            if self._push_chain(proposal, trusted, None if trusted else probs):
+                return
+        self._push(token, probs, mask, "model")
+        self._unfed = [token]
+
+    def _propose(self) -> Proposal | None:
+        if self.lookup is None:
+            return None
+        tail = self.lookup.max_ngram
+        history = (self.tokens[-tail:] + self.drafts)[-tail:]
+        room = min(self.lookup.max_tokens, self.x - len(self.drafts))
+        return self.lookup_index.propose(history, len(self.tokens), room)
+
+    def _push_chain(self, proposal: Proposal | None, trusted: bool, first_probs: torch.Tensor | None = None) -> int:
+        """Draft a lookup chain (as far as a grammar allows it); returns how many were drafted."""
+        if proposal is None:
+            return 0
+        pushed = 0
+        for token in proposal.tokens[: self.x - len(self.drafts)]:
+            mask = None
+            if self.grammar is not None:
+                mask = self.grammar.mask()
+                if not bool(self.grammar.apply(torch.zeros(1, self.runner.vocab_size), mask)[0, token].isfinite()):
+                    break  # the grammar does not allow it: the chain stops before it
+            probs = None
+            if self.rejection:  # drafted for certain (trusted, or unchecked at the window's end)
+                probs = first_probs if pushed == 0 and first_probs is not None else self._onehot(token)
+            self._push(token, probs, mask, "lookup")
+            pushed += 1
+            if self._grammar_halted or token in self.cfg.eos_token_ids:
+                break
+        if pushed:
+            self._unfed, self._chain, self._chain_match = list(self.drafts[-pushed:]), pushed, proposal.match
+        return pushed
+
+    def _onehot(self, token: int) -> torch.Tensor:
+        probs = torch.zeros(self.runner.vocab_size)
+        probs[token] = 1.0
+        return probs
+
+    def _choose(self, logits: torch.Tensor, idx: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """The model's draft at draft index ``idx`` from its logits ``[1, vocab]``: the token, its
+        distribution (rejection sampling) and the grammar's mask there."""
+        pos = len(self.tokens) + idx  # the drafted token's position
+        mask = None
         if self.grammar is not None:
-            mask = self.grammar.mask()
-            self.draft_masks.append(mask)
+            mask = self.draft_masks[idx] if idx < len(self.draft_masks) else self.grammar.mask()
             logits = self.grammar.apply(logits, mask)
         if self.rejection:
-            self.draft_probs.append(self.sampler.probs(logits)[0])
-            token = int(self.sampler.sample(logits, [pos], STREAM_DRAFT)[0])
-        else:
-            token = int(self.sampler.sample(logits, [pos])[0])
+            return int(self.sampler.sample(logits, [pos], STREAM_DRAFT)[0]), self.sampler.probs(logits)[0], mask
+        return int(self.sampler.sample(logits, [pos])[0]), None, mask
+
+    def _push(self, token: int, probs: torch.Tensor | None, mask: torch.Tensor | None, source: str) -> None:
         self.drafts.append(token)
-        self.stats.decode_steps += 1
+        self._sources.append(source)
+        if self.rejection:
+            self.draft_probs.append(probs)
         if self.grammar is not None:
+            self.draft_masks.append(mask)
             if self.grammar.advance(token):
                 self._grammar_walked += 1
             else:  # complete, or the draft is not in it: nothing after it can be verified as drafted
                 self._grammar_halted = True
+
+    def _pop(self, n: int) -> None:
+        """Take back the last ``n`` drafts (and the grammar's steps along them)."""
+        if not n:
+            return
+        if self.grammar is not None:
+            walked = n - 1 if self._grammar_halted else n  # only the last draft can have halted it
+            self.grammar.rollback(walked)
+            self._grammar_walked -= walked
+            self._grammar_halted = False
+            del self.draft_masks[-n:]
+        if self.rejection:
+            del self.draft_probs[-n:]
+        del self.drafts[-n:], self._sources[-n:]
 
     # verification
     def verify_segment(self) -> Segment:
@@ -263,6 +372,9 @@ class VeriCacheRequest:
         positions = torch.arange(self.exact_upto, self.exact_upto + m)
         queries = None if out.queries is None else [q[:, :m] for q in out.queries]
         self.compressor.commit(self.ckv, exact, positions, queries)
+        if self.compressor.refreshes and m:  # rows re-chosen by the committed tokens' attention
+            self.compressor.refresh(self.ckv, [[feed.wait_layer(layer), kv] for layer, kv in enumerate(exact)],
+                                    queries)
         if self.resident is not None:
             self.resident.extend(exact)
         else:
@@ -271,7 +383,10 @@ class VeriCacheRequest:
         stats.drafted.append(len(self.drafts))
         stats.accepted.append(verdict.accepted)
         stats.committed.append(taken)
+        stats.lookup_drafted += self._sources.count("lookup")
+        stats.lookup_accepted += self._sources[: verdict.accepted].count("lookup")
         self.drafts, self.draft_probs, self.draft_masks, self._draft_ctx = [], [], [], None
+        self._unfed, self._chain, self._sources = [], 0, []
         return verdict
 
     def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
@@ -310,6 +425,8 @@ class VeriCacheRequest:
             self.first_token_s = time.monotonic() - self.started
         self.tokens.extend(tokens[:taken])
         self.kv.extend_tokens(tokens[:taken])
+        if self.lookup_index is not None:
+            self.lookup_index.extend(tokens[:taken])
         return taken
 
     def release(self) -> None:

@@ -115,6 +115,21 @@ class DraftKV:
         vs = [cv, *(s[1] for s in self.scratch[layer])]
         return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
 
+    def forget(self, n: int) -> None:
+        """Drop the window's last ``n`` tokens (a lookup chain cut where the model disagreed): the
+        next forward writes over their rows."""
+        for layer in range(len(self.drafted)):
+            self.drafted[layer] -= n
+            left, scratch = n, self.scratch[layer]
+            while left and scratch:
+                k, v = scratch[-1]
+                if k.shape[1] <= left:
+                    left -= k.shape[1]
+                    scratch.pop()
+                else:
+                    scratch[-1] = (k[:, : k.shape[1] - left], v[:, : v.shape[1] - left])
+                    left = 0
+
 
 class LayerFeed(Protocol):
     def wait_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,6 +81,12 @@ class VeriCacheConfig:
                 f"vericache-config compressor {compressor.spec!r} is a {compressor.kind} compressor; the SGLang "
                 f"worker drafts over a token-dropping compressed pool only ({', '.join(sglang_compressors())})"
             )
+        if compressor.lookup is not None or compressor.refreshes:
+            # Both need the worker's draft loop to take multi-token chains and its verify to hand
+            # the full KV and queries back: not built yet (the reference and batch engines have them).
+            raise VeriCacheConfigError(
+                f"vericache-config compressor {compressor.spec!r}: the SGLang worker does not run the drafting "
+                "modifiers (refresh, lookup) yet; use them with `vericache generate` / `vericache serve`")
         why = _unsupported_by_worker(compressor)
         if why:
             raise VeriCacheConfigError(f"vericache-config compressor {compressor.spec!r}: {why}; the SGLang worker "

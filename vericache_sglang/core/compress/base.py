@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
 import torch
 
 from vericache_sglang.core.kv import CompressedKV, CompressedLayer, FullKV
+from vericache_sglang.core.lookup import LookupParams
 from vericache_sglang.core.rows import GrowingRows, RowsField
 
 
@@ -144,6 +146,10 @@ class Compressor(ABC):
     uniform_layers: ClassVar[bool] = True
     # ``update`` may drop tokens it kept before (sliding windows, online eviction).
     evicts: ClassVar[bool] = False
+    # Re-chooses rows at each verification (``refresh``): verification-guided refresh.
+    refreshes: ClassVar[bool] = False
+    # Prompt-lookup drafts composed with this compressor's drafts (``+lookup`` in the spec).
+    lookup: LookupParams | None = None
 
     def __init__(self, **params: object):
         self.params = self.Params(**params)
@@ -154,18 +160,28 @@ class Compressor(ABC):
 
     @property
     def spec(self) -> str:
-        """The canonical spec string (every parameter spelled out)."""
+        """The canonical spec string (every parameter spelled out), drafting modifiers included."""
+        return self.base_spec if self.lookup is None else f"{self.base_spec}+{self.lookup.spec}"
+
+    @property
+    def base_spec(self) -> str:
+        """The spec of what the compressed KV holds (without drafting modifiers)."""
         fields = dataclasses.asdict(self.params)
         return f"{self.name}:" + ",".join(f"{k}={v}" for k, v in fields.items())
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec}>"
 
+    def refresh(self, ckv: CompressedKV, full: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+                queries: Sequence[torch.Tensor]) -> None:
+        """Re-choose rows from a verification (only where ``refreshes``); see ``refresh.py``."""
+        raise NotImplementedError(f"{self.name} does not refresh")
+
     def compress(self, full: FullKV, obs: Observation | None = None) -> CompressedKV:
         layers = [
             self.compress_layer(i, k, v, obs) for i, (k, v) in enumerate(full.layers)
         ]
-        return CompressedKV(full.layout, self.spec, layers)
+        return CompressedKV(full.layout, self.base_spec, layers)
 
     @abstractmethod
     def compress_layer(

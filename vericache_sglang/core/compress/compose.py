@@ -71,8 +71,8 @@ class Composed(Compressor):
         self.mode = "offline" if "offline" in (dropper.mode, quantizer.mode) else "online"
 
     @property
-    def spec(self) -> str:
-        return f"{self.dropper.spec}+{self.quantizer.spec}"
+    def base_spec(self) -> str:
+        return f"{self.dropper.base_spec}+{self.quantizer.base_spec}"
 
     def compress(self, full: FullKV, obs: Observation | None = None) -> CompressedKV:
         dropped = self.dropper.compress(full, obs)
@@ -81,7 +81,7 @@ class Composed(Compressor):
             assert isinstance(layer, DroppedLayer)
             inner = self.quantizer.quantize_layer(i, layer.keys, layer.values, layer.positions, obs)
             layers.append(ComposedLayer(layer.positions, inner))
-        return CompressedKV(full.layout, self.spec, layers)
+        return CompressedKV(full.layout, self.base_spec, layers)
 
     def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> CompressedLayer:
         raise NotImplementedError("a composition compresses all layers at once: use compress()")

@@ -85,7 +85,7 @@ class KVzip(KeepingDropper):
             counts = [min(n, max(1, math.ceil(c / hk))) for c in per_layer]
         out = [DroppedLayer.gather(k, v, top_per_head(s, c))
                for (k, v), s, c in zip(full.layers, scores, counts, strict=True)]
-        return CompressedKV(full.layout, self.spec, out)
+        return CompressedKV(full.layout, self.base_spec, out)
 
     def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> DroppedLayer:
         raise NotImplementedError("kvzip ranks all layers together: use compress()")

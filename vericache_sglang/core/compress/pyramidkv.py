@@ -58,7 +58,7 @@ class PyramidKV(SnapKV):
         p = self.params
         budgets = pyramid_budgets(full.num_tokens, p.ratio, p.window, p.beta, full.layout.num_layers)
         layers = [self._keep(i, k, v, obs, b) for i, ((k, v), b) in enumerate(zip(full.layers, budgets, strict=True))]
-        return CompressedKV(full.layout, self.spec, layers)
+        return CompressedKV(full.layout, self.base_spec, layers)
 
     def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> DroppedLayer:
         raise NotImplementedError("pyramidkv budgets depend on the layer count: use compress()")
