@@ -217,8 +217,13 @@ class VeriCacheRequest:
             return False
         if self._chain > 1 and not self.lookup.trusted(self._chain_match):
             return True  # the model checks the chain, so the drafts are the model's own
+        return self._room_to_draft()
+
+    def _room_to_draft(self) -> bool:
+        """Whether the window takes another draft: under its horizon, not past an end, nor past
+        a draft the grammar could not take."""
         eos = self.drafts and self.drafts[-1] in self.cfg.eos_token_ids  # nothing after an end is committed
-        return len(self.drafts) < self.x and not eos
+        return len(self.drafts) < self.x and not eos and not self._grammar_halted
 
     def draft_segment(self) -> Segment:
         """The inputs the window's KV lacks: the committed tokens without exact KV (at the window's
@@ -246,8 +251,7 @@ class VeriCacheRequest:
                 self._unfed, self._chain = [token], 0
                 return
         self._unfed, self._chain = [], 0
-        if len(self.drafts) < self.x and not self._grammar_halted and not (
-                self.drafts and self.drafts[-1] in self.cfg.eos_token_ids):
+        if self._room_to_draft():
             self._decide(rows[-1:])
 
     def _decide(self, logits: torch.Tensor) -> None:
@@ -255,8 +259,8 @@ class VeriCacheRequest:
         agrees with the model's token (or its match is trusted), else the model's token."""
         token, probs, mask = self._choose(logits, len(self.drafts))
         proposal = self._propose()
-        if proposal is not None and (proposal.tokens[0] == token or self.lookup.trusted(proposal.match)):
-            trusted = self.lookup.trusted(proposal.match)
+        trusted = proposal is not None and self.lookup.trusted(proposal.match)
+        if proposal is not None and (proposal.tokens[0] == token or trusted):
             if self._push_chain(proposal, trusted, None if trusted else probs):
                 return
         self._push(token, probs, mask, "model")
