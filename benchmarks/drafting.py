@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = engine.runner
     started = time.monotonic()
     log = lambda s: print(s, file=sys.stderr, flush=True)
-    out = {"config": cfg, "grid": [], "peers": [], "long": [], "live_checks": [], "outputs": {}}
+    out = {"config": cfg, "grid": [], "peers": [], "rag": [], "long": [], "live_checks": [], "outputs": {}}
     prepared = {}
     for kind in sorted(set(cfg["prompts"]) | {cfg["long"]["prompt"]}):
         tokens = engine.encode((PROMPTS / f"{kind}.txt").read_text())
@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                 out["peers"].append(row)
         log(f"peer {label}: " + " ".join(f"{r['prompt']}/x={r['horizon']}:{r['mean_accepted_length']:.2f}"
                                         for r in out["peers"] if r["method"] == label))
+    if cfg.get("rag"):
+        out["rag"] = rag_peers(engine, cfg, log)
     long = cfg["long"]
     pre, reference, traj = trajectory(long["prompt"], long["new_tokens"])
     for spec in long["specs"]:
@@ -163,6 +165,64 @@ def main(argv: list[str] | None = None) -> int:
     plot(out, args.out / "drafting.png")
     print(report(out))
     return 0
+
+
+def rag_peers(engine, cfg: dict, log) -> list[dict]:
+    """The peers on the RAG setting of ``vericache bench prefix``: a shared document registered
+    once per method (its compressed KV drafts at once), requests that add their own question.
+    Live VeriCache runs (the request's own tokens are drafted over the compressed document, so the
+    window-by-window replay does not apply), each output compared with full-KV decoding."""
+    from remote_store.backends.memory import MemoryStore
+    from remote_store.fullkv import FullKVStore
+    from vericache_sglang.bench.prefix import common_prefix, document_text
+    from vericache_sglang.core.compress import parse_spec
+    from vericache_sglang.engine.decode import generate_full, generate_vericache_from_prefix, prefill
+    from vericache_sglang.engine.engine import compare
+    from vericache_sglang.engine.prefix import PrefixRegistry
+
+    rag, runner = cfg["rag"], engine.runner
+    doc = document_text(rag["document"])
+    prompts = [engine.encode(f"{doc}\n\nQuestion: {q}") for q in rag["questions"]]
+    shared = common_prefix(prompts)
+    store = FullKVStore(MemoryStore(), runner.layout, chunk_tokens=rag["chunk_tokens"])
+    rows = []
+    refs = {}
+    for label, spec in cfg["peers"].items():
+        spec = dropper_spec("streamingllm", cfg["ratio"], len(shared), None) if spec == "streamingllm" else spec
+        registry = PrefixRegistry(runner, store, parse_spec(spec))
+        prefix = registry.register(shared)
+        lookup = registry.compressor.lookup
+        alone = lookup is not None and not lookup.model  # no compressed KV read
+        for x in cfg["horizons"]:
+            gen = engine.config(max_new_tokens=rag["new_tokens"], horizon=x, keep_logits=True)
+            stats = {"committed": [], "forwards": [], "drafted": 0, "lookup_drafted": 0}
+            identical, max_diff = True, 0.0
+            for i, prompt in enumerate(prompts):
+                if i not in refs:
+                    full = store.load_prefix(prompt, len(prefix.tokens))
+                    refs[i] = generate_full(runner, prefill(runner, prompt, prefix=full), gen, engine.tokenizer)
+                res, _ = generate_vericache_from_prefix(runner, prefix, prompt, registry.compressor, store, gen,
+                                                        engine.tokenizer)
+                cmp = compare(refs[i], res)
+                identical &= cmp["identical"]
+                max_diff = max(max_diff, cmp["max_logit_abs_diff"])
+                stats["committed"] += res.stats.committed
+                stats["forwards"] += res.stats.draft_forwards
+                stats["drafted"] += sum(res.stats.drafted)
+                stats["lookup_drafted"] += res.stats.lookup_drafted
+            kept = 0.0 if alone else prefix.compressed_kv_bytes / prefix.full_kv_bytes
+            row = {"method": label, "spec": spec, "horizon": x, "prefix_tokens": len(prefix.tokens),
+                   "requests": len(prompts), "bytes_over_full": kept,
+                   "mean_accepted_length": sum(stats["committed"]) / len(stats["committed"]),
+                   "lookup_share": stats["lookup_drafted"] / stats["drafted"] if stats["drafted"] else 0.0,
+                   "identical": identical, "max_logit_diff": max_diff}
+            for model, cost in cfg["cost_models"].items():
+                row[f"per_cost_{model}"] = window_cost(stats, cost)
+            rows.append(row)
+        log(f"rag {label}: " + " ".join(f"x={r['horizon']}:{r['mean_accepted_length']:.2f}"
+                                        f"{'' if r['identical'] else ' NOT IDENTICAL'}"
+                                        for r in rows if r["method"] == label))
+    return rows
 
 
 def report(out: dict) -> str:
@@ -211,8 +271,28 @@ def report(out: dict) -> str:
         row[f"fwd/window x={hs[0]}"] = sum(r["forwards_per_window"] for r in first) / len(first)
         row["lookup share"] = sum(r["lookup_share"] for r in cells) / len(cells)
         rows.append(row)
-    lines += [table(rows, head), "", "(geometric means over " + ", ".join(kinds) + ")", "",
-              f"## Along a long generation ({cfg['long']['prompt']}, {cfg['long']['new_tokens']} tokens, "
+    lines += [table(rows, head), "", "(geometric means over " + ", ".join(kinds) + ")", ""]
+    if out.get("rag"):
+        rag = cfg["rag"]
+        first = out["rag"][0]
+        lines += [f"### On the RAG setting of `vericache bench prefix` ({first['prefix_tokens']}-token "
+                  f"{rag['document']} document registered once per method, {first['requests']} questions x "
+                  f"{rag['new_tokens']} new tokens, live runs, every output compared with full-KV decoding)", ""]
+        head = ["method", "bytes kept"] + [f"accepted x={x}" for x in hs] + [
+            f"{m} x={x}" for m in cfg["cost_models"] for x in hs] + ["lookup share", "identical"]
+        rows = []
+        for label in cfg["peers"]:
+            cells = [r for r in out["rag"] if r["method"] == label]
+            row = {"method": label, "bytes kept": cells[0]["bytes_over_full"],
+                   "lookup share": sum(r["lookup_share"] for r in cells) / len(cells),
+                   "identical": all(r["identical"] for r in cells)}
+            for r in cells:
+                row[f"accepted x={r['horizon']}"] = r["mean_accepted_length"]
+                for m in cfg["cost_models"]:
+                    row[f"{m} x={r['horizon']}"] = r[f"per_cost_{m}"]
+            rows.append(row)
+        lines += [table(rows, head), ""]
+    lines += [f"## Along a long generation ({cfg['long']['prompt']}, {cfg['long']['new_tokens']} tokens, "
               f"x={cfg['long']['horizon']}): accepted length per {cfg['long']['bucket']}-token window", ""]
     for entry in out["long"]:
         lines.append(f"- `{entry['spec']}` (mean {entry['mean_accepted_length']:.2f}): "

@@ -2,6 +2,8 @@
 prompt-lookup chains in the engine (exact, and actually drafting), and the replay estimator
 against live runs; on the tiny model (the real model's checks are in test_real_model.py)."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -95,6 +97,20 @@ def test_refresh_swaps_in_exact_rows_the_inner_layer_lacks_at_a_fixed_budget(tin
         assert torch.equal(layer.keys, k.gather(1, idx)) and torch.equal(layer.values, v.gather(1, idx))
         held = set(layer.inner.positions[0].tolist())
         assert not held & set(pos[0].tolist())  # nothing taken twice
+
+
+def test_refresh_over_a_kv_in_parts_chooses_what_the_whole_kv_would(tiny_runner, pre):
+    # The verify path hands the full KV in parts (fetched, then committed rows): never concatenated.
+    comp = parse_spec("h2o:ratio=0.125+refresh:ratio=0.125,span=4")
+    whole, parted = comp.compress(pre.kv, pre.obs), comp.compress(pre.kv, pre.obs)
+    queries = [torch.randn(tiny_runner.num_heads, 5, tiny_runner.head_dim) for _ in whole.layers]
+    cuts = (0, 17, 17, pre.kv.num_tokens - 5, pre.kv.num_tokens)  # an empty part and the queries' own rows
+    comp.refresh(whole, [[(k, v)] for k, v in pre.kv.layers], queries)
+    comp.refresh(parted, [[(k[:, a:b], v[:, a:b]) for a, b in pairwise(cuts)] for k, v in pre.kv.layers],
+                 queries)
+    for a, b in zip(whole.layers, parted.layers, strict=True):
+        assert torch.equal(a.positions, b.positions)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 @pytest.mark.parametrize("spec", ["streamingllm:sink=4,window=16+lookup:min_ngram=1",

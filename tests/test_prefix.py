@@ -48,3 +48,24 @@ def test_prefix_must_be_in_the_store(tiny_runner, setup):
     with pytest.raises(Exception, match="not \\(all\\) in the store"):
         generate_vericache_from_prefix(tiny_runner, prefix, doc + questions[0], registry.compressor, other,
                                        GenerationConfig(max_new_tokens=4))
+
+
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.0625,window=16+refresh:ratio=0.1875,span=4+lookup:min_ngram=1",
+                                  "h2o:ratio=0.125+refresh:ratio=0.125+lookup:min_ngram=1,trust=1"])
+def test_prefix_requests_with_drafting_modifiers_are_identical(tiny_runner, setup, spec, exactness):
+    """The RAG setting with refresh and lookup: the document's refreshed rows start from its own
+    last queries, then each verification re-chooses them over the document and the request."""
+    store, _registry, _prefix, doc, questions = setup
+    registry = PrefixRegistry(tiny_runner, store, parse_spec(spec))
+    prefix = registry.register(doc)
+    before = [(layer.positions.clone(), layer.rows) for layer in prefix.ckv.layers]
+    prompt = doc + questions[1] + doc[40:60]  # the request repeats part of the document: lookup proposes
+    cfg = GenerationConfig(max_new_tokens=40, horizon=8, keep_logits=True)
+    ref = generate_full(tiny_runner, prefill(tiny_runner, prompt, prefix=store.load_prefix(prompt, 192)), cfg)
+    res, _req = generate_vericache_from_prefix(tiny_runner, prefix, prompt, registry.compressor, store, cfg)
+    cmp = compare(ref, res)
+    exactness(f"tiny prefix request {spec}", cmp, mean_accepted_length=res.stats.mean_accepted_length)
+    assert cmp["identical"], cmp
+    assert len(res.stats.draft_forwards) == len(res.stats.committed) and sum(res.stats.draft_forwards) > 0
+    for layer, (positions, rows) in zip(prefix.ckv.layers, before, strict=True):
+        assert torch.equal(layer.positions, positions) and layer.rows == rows  # the registered copy is untouched

@@ -9,8 +9,10 @@ import json
 
 import jsonschema
 import pytest
+import torch
 from conftest import PROMPTS
 
+from vericache_sglang.core.compress import RECOMMENDED
 from vericache_sglang.core.sampling import SamplingParams
 from vericache_sglang.engine.constraint import ConstraintError
 from vericache_sglang.engine.engine import compare
@@ -30,15 +32,16 @@ REFUND = {"type": "object", "properties": {
     "required": ["tool", "arguments"], "additionalProperties": False}
 
 
-def _check(real_engine, exactness, name: str, sampling: SamplingParams, new: int = 64):
+def _check(real_engine, exactness, name: str, sampling: SamplingParams, new: int = 64,
+           spec: str = "snapkv:ratio=0.125"):
     constraint = real_engine.constraint(FORMAT)
     pre = real_engine.prefill(real_engine.encode((PROMPTS / f"{name}.txt").read_text()), reuse_prefix=False)
     cfg = real_engine.config(max_new_tokens=new, horizon=16, keep_logits=True, constraint=constraint, sampling=sampling)
     ref = real_engine.generate(pre, "full", cfg=cfg)
-    out = real_engine.generate(pre, "vericache", "snapkv:ratio=0.125", cfg=cfg)
+    out = real_engine.generate(pre, "vericache", spec, cfg=cfg)
     cmp = compare(ref, out)
     label = "greedy" if sampling.greedy else "T=0.8"
-    exactness(f"SmolLM2 json_schema {name} {label}", cmp, mean_accepted_length=out.stats.mean_accepted_length)
+    exactness(f"SmolLM2 json_schema {name} {label} {spec}", cmp, mean_accepted_length=out.stats.mean_accepted_length)
     assert cmp["identical"], (ref.text, out.text)
     assert out.text.startswith("{")
     if out.finish_reason == "stop":
@@ -49,6 +52,23 @@ def _check(real_engine, exactness, name: str, sampling: SamplingParams, new: int
 @pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
 def test_a_json_schema_on_the_prose_prompt_is_full_kv_constrained_decoding(real_engine, exactness, sampling):
     _check(real_engine, exactness, "prose", sampling)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_prompt_lookup_chains_under_a_grammar_are_full_kv_constrained_decoding(real_engine, exactness, sampling):
+    """Lookup chains stop where the grammar forbids a token; the masks drafting used are the
+    verification's. The tools prompt's calls recur, so chains are drafted."""
+    out = _check(real_engine, exactness, "tools", sampling, new=96, spec=RECOMMENDED)
+    assert out.stats.lookup_drafted > 0
+
+
+def test_a_bitmask_allows_exactly_the_tokens_it_leaves_finite(real_engine):
+    state = real_engine.constraint(FORMAT).state()
+    state.advance(real_engine.tokenizer.encode("{", add_special_tokens=False)[0])
+    mask = state.mask()
+    finite = state.apply(torch.zeros(1, real_engine.runner.vocab_size), mask)[0].isfinite()
+    assert 0 < int(finite.sum()) < finite.numel()
+    assert [state.allows(t, mask) for t in range(finite.numel())] == finite.tolist()
 
 
 @pytest.mark.slow

@@ -99,9 +99,14 @@ def simulate(match: Callable[[int], int], n_tokens: int,
         accepted.append(a)
         committed.append(min(a + 1, n_tokens - c))
         c += committed[-1]
+    return window_stats(drafted, accepted, committed)
+
+
+def window_stats(drafted: list[int], accepted: list[int], committed: list[int]) -> dict:
+    """The engine's statistics from its windows' drafted, accepted and committed tokens."""
     return {"windows": len(committed), "drafted": sum(drafted), "accepted": sum(accepted),
             "mean_accepted_length": sum(committed) / len(committed) if committed else 0.0,
-            "acceptance_rate": sum(accepted) / sum(drafted) if drafted else 0.0, "committed": committed,
+            "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else 0.0, "committed": committed,
             "horizons": drafted}
 
 
@@ -232,12 +237,8 @@ def replay(runner: ModelRunner, pre: Prefill, traj: Trajectory, compressor: Comp
         if index is not None:
             index.extend(g[c : c + t])
         c += t
-    committed = [w.accepted + 1 for w in windows]
-    drafted = sum(w.drafted for w in windows)
-    return {"windows": len(windows), "drafted": drafted, "accepted": sum(w.accepted for w in windows),
-            "mean_accepted_length": sum(committed) / len(committed) if committed else 0.0,
-            "acceptance_rate": sum(w.accepted for w in windows) / drafted if drafted else 0.0,
-            "committed": committed, "horizons": [w.drafted for w in windows],
-            "forwards": [w.forwards for w in windows],
+    stats = window_stats([w.drafted for w in windows], [w.accepted for w in windows],
+                         [w.accepted + 1 for w in windows])
+    return {**stats, "forwards": [w.forwards for w in windows],
             "lookup_drafted": sum(w.lookup_drafted for w in windows),
             "lookup_accepted": sum(w.lookup_accepted for w in windows)}

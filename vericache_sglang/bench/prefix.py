@@ -28,12 +28,12 @@ from vericache_sglang.engine.hardware import Bandwidth, streaming_read_bandwidth
 from vericache_sglang.engine.prefix import PrefixRegistry
 
 
-def _document(name: str) -> str:
+def document_text(name: str) -> str:
     text = (PROMPTS / f"{name}.txt").read_text()
     return text.rsplit("\n\n", 1)[0]  # the document without the prompt file's closing instruction
 
 
-def _common_prefix(seqs: list[list[int]]) -> list[int]:
+def common_prefix(seqs: list[list[int]]) -> list[int]:
     n = min(len(s) for s in seqs)
     i = next((i for i in range(n) if len({s[i] for s in seqs}) > 1), n)
     return seqs[0][:i]
@@ -44,10 +44,10 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
     torch.set_num_threads(cfg["threads"])
     engine = Engine(cfg["model"])
     runner, tok = engine.runner, engine.tokenizer
-    doc = _document(cfg["document"])
+    doc = document_text(cfg["document"])
     questions = [cfg["questions"][i % len(cfg["questions"])] for i in range(cfg["requests"])]
     prompts = [engine.encode(f"{doc}\n\nQuestion: {q}") for q in questions]
-    shared = _common_prefix(prompts) if len(prompts) > 1 else prompts[0][:-8]
+    shared = common_prefix(prompts) if len(prompts) > 1 else prompts[0][:-8]
     probe = streaming_read_bandwidth(str(runner.device))
     log(f"memory bandwidth: {probe.describe()}")
     mem_bw = probe.bytes_s

@@ -67,6 +67,12 @@ class ConstraintState:
         xgr.apply_token_bitmask_inplace(out[:, :width], mask.to(out.device))
         return out
 
+    @staticmethod
+    def allows(token: int, mask: torch.Tensor) -> bool:
+        """Whether ``mask`` (one row ``[1, words]``, xgrammar's bitmask: bit ``t % 32`` of word
+        ``t // 32``) allows ``token``."""
+        return bool((int(mask[0, token // 32]) >> (token % 32)) & 1)
+
     def advance(self, token: int) -> bool:
         """Accept ``token``; False (nothing changed) when the grammar is complete or forbids it."""
         if self.matcher.is_terminated():

@@ -60,6 +60,7 @@ class GenerationStats:
     drafted: list[int] = field(default_factory=list)  # per verification
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted, per verification
     committed: list[int] = field(default_factory=list)  # tokens committed, per verification
+    draft_forwards: list[int] = field(default_factory=list)  # draft forwards, per verification
     lookup_drafted: int = 0  # drafts from prompt lookup (the rest from the compressed KV's model)
     lookup_accepted: int = 0  # of them, accepted
     fetch_bytes: list[int] = field(default_factory=list)  # full-KV bytes moved, per verification

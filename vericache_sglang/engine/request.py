@@ -199,6 +199,7 @@ class VeriCacheRequest:
     # drafting: the compressed KV's model, composed with prompt-lookup chains (core/lookup.py)
     def begin_window(self, x: int) -> None:
         self._window_started = time.monotonic()
+        self._window_steps = self.stats.decode_steps
         self.x = x
         self.drafts, self.draft_probs, self.draft_masks, self._sources = [], [], [], []
         self._grammar_walked, self._grammar_halted = 0, False
@@ -283,7 +284,7 @@ class VeriCacheRequest:
             mask = None
             if self.grammar is not None:
                 mask = self.grammar.mask()
-                if not bool(self.grammar.apply(torch.zeros(1, self.runner.vocab_size), mask)[0, token].isfinite()):
+                if not self.grammar.allows(token, mask):
                     break  # the grammar does not allow it: the chain stops before it
             probs = None
             if self.rejection:  # drafted for certain (trusted, or unchecked at the window's end)
@@ -387,6 +388,7 @@ class VeriCacheRequest:
         stats.drafted.append(len(self.drafts))
         stats.accepted.append(verdict.accepted)
         stats.committed.append(taken)
+        stats.draft_forwards.append(stats.decode_steps - self._window_steps)
         stats.lookup_drafted += self._sources.count("lookup")
         stats.lookup_accepted += self._sources[: verdict.accepted].count("lookup")
         self.drafts, self.draft_probs, self.draft_masks, self._draft_ctx = [], [], [], None

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from vericache_sglang.core.compress.base import Compressor, Observation, check_ratio
-from vericache_sglang.core.compress.scoring import attention_probs, per_kv_head
 from vericache_sglang.core.kv import CompressedKV, CompressedLayer, FullKV
 
 
@@ -93,12 +92,22 @@ class RefreshedLayer(CompressedLayer):
                 torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1))
 
 
-def refresh_scores(queries: torch.Tensor, keys: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Scores ``[kv_heads, n]`` of every full-KV row: ``queries`` ``[q_heads, m, d]``' attention,
+def refresh_scores(queries: torch.Tensor, keys: Sequence[torch.Tensor], causal: bool) -> torch.Tensor:
+    """Scores ``[kv_heads, n]`` of every full-KV row, the full KV given in parts (``[kv_heads, n_i,
+    d]`` each, in position order, never concatenated): ``queries`` ``[q_heads, m, d]``' attention,
     summed over queries, averaged per KV head. ``causal``: the queries are of the last ``m`` rows
     (else they follow every row)."""
-    probs = attention_probs(queries, keys, causal_tail=causal)
-    return per_kv_head(probs.sum(dim=1), keys.shape[0])
+    hq, m, d = queries.shape
+    hk = keys[0].shape[0]
+    group = hq // hk
+    # A KV head's query group side by side, so no key is repeated per query head.
+    q = queries.float().reshape(hk, group * m, d)
+    logits = torch.cat([q @ k.float().transpose(1, 2) for k in keys], dim=-1) / math.sqrt(d)  # [hk, group*m, n]
+    n = logits.shape[-1]
+    if causal and m > 1:
+        future = torch.ones(m, m, dtype=torch.bool, device=q.device).triu(1).repeat(group, 1)
+        logits[:, :, n - m :].masked_fill_(future, float("-inf"))
+    return logits.softmax(dim=-1).sum(dim=1) / group
 
 
 def spread_forward(scores: torch.Tensor, span: int) -> torch.Tensor:
@@ -176,13 +185,14 @@ class Refreshed(Compressor):
 
     def _choose(self, inner: CompressedLayer, parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
                 queries: torch.Tensor | None, rows: int, before: torch.Tensor | None, causal: bool) -> RefreshedLayer:
-        keys = parts[0][0] if len(parts) == 1 else torch.cat([k for k, _ in parts], dim=1)
-        hk, n, _ = keys.shape
+        hk = parts[0][0].shape[0]
+        n = sum(k.shape[1] for k, _ in parts)
+        device = parts[0][0].device
         kept = None
         if queries is None:  # nothing to score by: the latest rows, as a sliding window would
-            scores = torch.arange(n, dtype=torch.float32, device=keys.device).expand(hk, -1).clone()
+            scores = torch.arange(n, dtype=torch.float32, device=device).expand(hk, -1).clone()
         else:
-            scores = refresh_scores(queries, keys, causal)
+            scores = refresh_scores(queries, [k for k, _ in parts], causal)
             if self.params.decay:
                 if before is not None:
                     scores[:, : before.shape[1]] += self.params.decay * before
@@ -191,11 +201,32 @@ class Refreshed(Compressor):
         held = inner.exact_kv()
         free = n
         if held is not None:  # rows the inner layer holds exactly are not taken twice
-            pos = held[0].long().to(scores.device)
+            pos = held[0].long().to(device)
             scores.scatter_(1, pos, float("-inf"))
             free = n - pos.shape[1]
         rows = max(0, min(rows, free))
         keep = scores.topk(rows, dim=-1).indices.sort(dim=-1).values
-        idx = keep.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-        values = parts[0][1] if len(parts) == 1 else torch.cat([v for _, v in parts], dim=1)
-        return RefreshedLayer(inner, keys.gather(1, idx), values.gather(1, idx), keep.to(torch.int32), kept)
+        keys, values = gather_rows(parts, keep)
+        return RefreshedLayer(inner, keys, values, keep.to(torch.int32), kept)
+
+
+def gather_rows(parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[kv_heads, r, d]`` at positions ``rows`` ``[kv_heads, r]`` of a KV held in
+    parts (in position order): each part serves the rows that fall in it."""
+    if len(parts) == 1:
+        idx = rows.unsqueeze(-1).expand(-1, -1, parts[0][0].shape[-1])
+        return parts[0][0].gather(1, idx), parts[0][1].gather(1, idx)
+    k0, v0 = parts[0]
+    keys = k0.new_empty(k0.shape[0], rows.shape[1], k0.shape[-1])
+    values = v0.new_empty(v0.shape[0], rows.shape[1], v0.shape[-1])
+    start = 0
+    for k, v in parts:
+        size = k.shape[1]
+        inside = ((rows >= start) & (rows < start + size)).unsqueeze(-1)
+        if size and inside.any():
+            idx = (rows - start).clamp(0, size - 1).unsqueeze(-1).expand(-1, -1, k.shape[-1])
+            keys = torch.where(inside, k.gather(1, idx), keys)
+            values = torch.where(inside, v.gather(1, idx), values)
+        start += size
+    return keys, values
