@@ -44,7 +44,9 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
     engine = Engine(cfg["model"])
     runner = engine.runner
     gen = engine.config(max_new_tokens=cfg["new_tokens"], horizon=cfg["horizon"], keep_logits=True)
-    compressor = parse_spec(cfg["compressor"])
+    # Several compressors side by side in one run (the first is the summary's); modes that read no
+    # compressed KV run once.
+    specs = cfg.get("compressors", [cfg["compressor"]])
     prompts = prompts_for(engine, cfg["prompts"], cfg["requests"])
     t = time.monotonic()
     pres = [engine.prefill(p, reuse_prefix=False) for p in prompts]
@@ -58,11 +60,12 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
     rows, reference = [], None
     for budget_units, ratio in points:
         budget = int(budget_units * unit)
-        for name in modes:
+        for name, spec in [(m, s) for m in modes for s in (specs if MODES[m][0] in ("lossy", "vericache")
+                                                           else specs[:1])]:
             mode, schedule = MODES[name]
             link = LinkEmulator(MemoryStore(), mem_bw / ratio, ratio=ratio)
             store = FullKVStore(link, runner.layout, namespace=uuid.uuid4().hex, chunk_tokens=cfg["chunk_tokens"])
-            batch = BatchEngine(runner, store, compressor,
+            batch = BatchEngine(runner, store, parse_spec(spec),
                                 BatchConfig(mode=mode, schedule=schedule, kv_budget_bytes=budget, window=cfg["window"]),
                                 gen, engine.tokenizer)
             for i, pre in enumerate(pres):
@@ -75,7 +78,9 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
             cmps = [compare(ref, out) for ref, out in zip(reference, outputs, strict=True)]
             st = batch.stats
             row = {
-                "mode": name, "budget_full_kv": budget_units, "budget_bytes": budget, "link_ratio": ratio,
+                "mode": name, "compressor": spec, "budget_full_kv": budget_units, "budget_bytes": budget,
+                "link_ratio": ratio, "series": name if len(specs) == 1 or mode not in ("lossy", "vericache")
+                else f"{name} {spec}",
                 "link_bytes_s": mem_bw / ratio, "memory_bytes_s": mem_bw,
                 "throughput_tok_s": st.throughput_tok_s, "generated_tokens": st.generated_tokens,
                 "wall_s": st.wall_s, "iterations": st.iterations, "peak_running": st.peak_running,
@@ -89,6 +94,7 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
             }
             rows.append(row)
             log(f"budget {budget_units}x ratio {ratio:>4}: {name:<20} {row['throughput_tok_s']:7.2f} tok/s "
+                f"{spec if len(specs) > 1 and mode in ('lossy', 'vericache') else ''} "
                 f"running<= {row['peak_running']} identical={row['identical']} "
                 f"hidden={_fmt(row['hidden_transfer_fraction'])}")
     summary = _summary(cfg, rows, probe)
@@ -107,7 +113,7 @@ def _fmt(x: float | None) -> str:
 
 def _summary(cfg: dict, rows: list[dict], probe: Bandwidth) -> dict:
     default = [r for r in rows if r["budget_full_kv"] == cfg["default_budget_full_kv"]
-               and r["link_ratio"] == cfg["default_link_ratio"]]
+               and r["link_ratio"] == cfg["default_link_ratio"] and r["compressor"] == cfg["compressor"]]
     by_mode = {r["mode"]: r for r in default}
     staggered = by_mode["vericache_staggered"]
     return {
@@ -124,20 +130,23 @@ def _summary(cfg: dict, rows: list[dict], probe: Bandwidth) -> dict:
 
 def _write(out_dir: Path, cfg: dict, rows: list[dict], summary: dict, quick: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "longctx_quick" if quick else "longctx"
+    stem = cfg.get("stem", "longctx") + ("_quick" if quick else "")
     (out_dir / f"{stem}.json").write_text(json.dumps({"config": cfg, "rows": rows, "summary": summary}, indent=2))
-    cols = ["mode", "budget_full_kv", "link_ratio", "throughput_tok_s", "peak_running", "identical",
-            "mean_accepted_length", "hidden_transfer_fraction", "stall_s", "transfer_s", "wall_s"]
+    several = len(cfg.get("compressors", [])) > 1
+    cols = ["mode"] + (["compressor"] if several else []) + [
+        "budget_full_kv", "link_ratio", "throughput_tok_s", "peak_running", "identical", "mean_accepted_length",
+        "hidden_transfer_fraction", "stall_s", "transfer_s", "wall_s"]
     md = [f"Long-context decoding, {cfg['requests']} requests x {cfg['new_tokens']} new tokens, "
-          f"`{cfg['compressor']}`, x={cfg['horizon']}; budgets in full-KV units "
+          + (", ".join(f"`{c}`" for c in cfg["compressors"]) if several else f"`{cfg['compressor']}`")
+          + f", x={cfg['horizon']}; budgets in full-KV units "
           f"({rows[0]['budget_bytes'] / rows[0]['budget_full_kv'] / 2**20:.0f} MiB each); memory "
           f"{summary['memory_probe_text']}, links at the ratios shown against its median.", "",
           table(rows, cols)]
     (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
     ratio0, budget0 = cfg["default_link_ratio"], cfg["default_budget_full_kv"]
-    plot_lines(out_dir / f"{stem}_budget.png", rows, x="budget_full_kv", series="mode",
+    plot_lines(out_dir / f"{stem}_budget.png", rows, x="budget_full_kv", series="series",
                where=lambda r: r["link_ratio"] == ratio0, xlabel="device KV budget (full KVs)",
                title=f"Throughput against budget (link ratio {ratio0})")
-    plot_lines(out_dir / f"{stem}_link.png", rows, x="link_ratio", series="mode",
+    plot_lines(out_dir / f"{stem}_link.png", rows, x="link_ratio", series="series",
                where=lambda r: r["budget_full_kv"] == budget0, xlabel="memory / link bandwidth ratio",
                title=f"Throughput against link ratio (budget {budget0} full KVs)", logx=True)

@@ -57,10 +57,13 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
     views = [FullKVStore(b, runner.layout, namespace=ns, chunk_tokens=cfg["chunk_tokens"])
              for b in (backend, slow_link, fast_link)]
     local, slow, fast = views
-    compressor = parse_spec(cfg["compressor"])
-    prefix = PrefixRegistry(runner, local, compressor).register(shared)
-    log(f"document: {len(prefix.tokens)} tokens registered in {prefix.seconds:.1f} s "
-        f"(full KV {prefix.full_kv_bytes / 2**20:.1f} MiB, compressed {prefix.compressed_kv_bytes / 2**20:.1f} MiB)")
+    # Several compressors side by side in one run (the first is the summary's): each registers the
+    # document once; fetch-then-decode runs once per request.
+    prefixes = {}
+    for spec in cfg.get("compressors", [cfg["compressor"]]):
+        prefixes[spec] = prefix = PrefixRegistry(runner, local, parse_spec(spec)).register(shared)
+        log(f"document: {len(prefix.tokens)} tokens registered in {prefix.seconds:.1f} s (full KV "
+            f"{prefix.full_kv_bytes / 2**20:.1f} MiB, `{spec}` {prefix.compressed_kv_bytes / 2**20:.1f} MiB)")
     gen = engine.config(max_new_tokens=cfg["new_tokens"], horizon=cfg["horizon"], keep_logits=True)
     rows = []
     for i, prompt in enumerate(prompts):
@@ -71,26 +74,41 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
         ttft_fd = time.monotonic() - t0  # the first token is drawn from the prefill's logits
         ref = generate_full(runner, pre, gen, tok)
         total_fd = time.monotonic() - t0
-        transfer_before = fast_link.transfer_s
-        t1 = time.monotonic()
-        res, req = generate_vericache_from_prefix(runner, prefix, prompt, compressor, fast, gen, tok)
-        total_vc = time.monotonic() - t1
-        cmp = compare(ref, res)
-        rows.append({
-            "request": i, "prompt_tokens": len(prompt), "prefix_tokens": len(prefix.tokens),
+        for spec, prefix in prefixes.items():
+            rows.append(_vericache_row(runner, prefix, spec, prompt, fast, fast_link, gen, tok, ref, i,
+                                       fetch_s, ttft_fd, total_fd))
+            r = rows[-1]
+            log(f"request {i}: TTFT {r['fetch_then_decode_ttft_s']:.2f} s -> {r['vericache_ttft_s']:.2f} s, "
+                f"total {total_fd:.1f} s -> {r['vericache_total_s']:.1f} s, `{spec}` identical={r['identical']}")
+    first = cfg.get("compressors", [cfg["compressor"]])[0]
+    summary = _summary(cfg, [r for r in rows if r["compressor"] == first], prefixes[first], probe)
+    if len(prefixes) > 1:
+        summary["identical"] = all(r["identical"] for r in rows)
+        summary["by_compressor"] = {spec: {
+            "throughput_tok_s": sum(r["tokens"] for r in rows if r["compressor"] == spec)
+            / sum(r["vericache_total_s"] for r in rows if r["compressor"] == spec),
+            "ttft_s": sum(r["vericache_ttft_s"] for r in rows if r["compressor"] == spec) / len(prompts),
+            "mean_accepted_length": sum(r["mean_accepted_length"] for r in rows if r["compressor"] == spec)
+            / len(prompts)} for spec in prefixes}
+    if out_dir is not None:
+        _write(out_dir, cfg, rows, summary, quick)
+    return summary
+
+
+def _vericache_row(runner, prefix, spec: str, prompt: list[int], fast: FullKVStore, fast_link: LinkEmulator, gen,
+                   tok, ref, i: int, fetch_s: float, ttft_fd: float, total_fd: float) -> dict:
+    """One request by VeriCache over ``prefix`` (compressed by ``spec``), against fetch-then-decode's."""
+    transfer_before = fast_link.transfer_s
+    t1 = time.monotonic()
+    res, req = generate_vericache_from_prefix(runner, prefix, prompt, prefix.compressor, fast, gen, tok)
+    total_vc = time.monotonic() - t1
+    cmp = compare(ref, res)
+    return {"request": i, "compressor": spec, "prompt_tokens": len(prompt), "prefix_tokens": len(prefix.tokens),
             "fetch_then_decode_ttft_s": ttft_fd, "fetch_then_decode_fetch_s": fetch_s,
             "fetch_then_decode_total_s": total_fd, "vericache_ttft_s": req.first_token_s,
             "vericache_total_s": total_vc, "tokens": len(res.tokens), "identical": cmp["identical"],
             "max_logit_abs_diff": cmp["max_logit_abs_diff"], "mean_accepted_length": res.stats.mean_accepted_length,
-            "verify_transfer_s": fast_link.transfer_s - transfer_before, "verify_wait_s": res.stats.fetch_wait_s,
-        })
-        r = rows[-1]
-        log(f"request {i}: TTFT {r['fetch_then_decode_ttft_s']:.2f} s -> {r['vericache_ttft_s']:.2f} s, "
-            f"total {total_fd:.1f} s -> {total_vc:.1f} s, identical={cmp['identical']}")
-    summary = _summary(cfg, rows, prefix, probe)
-    if out_dir is not None:
-        _write(out_dir, cfg, rows, summary, quick)
-    return summary
+            "verify_transfer_s": fast_link.transfer_s - transfer_before, "verify_wait_s": res.stats.fetch_wait_s}
 
 
 def _summary(cfg: dict, rows: list[dict], prefix, probe: Bandwidth) -> dict:
@@ -116,10 +134,12 @@ def _summary(cfg: dict, rows: list[dict], prefix, probe: Bandwidth) -> dict:
 
 def _write(out_dir: Path, cfg: dict, rows: list[dict], summary: dict, quick: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "prefix_quick" if quick else "prefix"
+    stem = cfg.get("stem", "prefix") + ("_quick" if quick else "")
     (out_dir / f"{stem}.json").write_text(json.dumps({"config": cfg, "rows": rows, "summary": summary}, indent=2))
-    cols = ["request", "prompt_tokens", "fetch_then_decode_ttft_s", "vericache_ttft_s", "fetch_then_decode_total_s",
-            "vericache_total_s", "tokens", "identical", "mean_accepted_length"]
+    specs = list(dict.fromkeys(r["compressor"] for r in rows))
+    cols = ["request"] + (["compressor"] if len(specs) > 1 else []) + [
+        "prompt_tokens", "fetch_then_decode_ttft_s", "vericache_ttft_s", "fetch_then_decode_total_s",
+        "vericache_total_s", "tokens", "identical", "mean_accepted_length"]
     md = [f"Remote prefix caching: a {summary['prefix_tokens']}-token document, {cfg['requests']} requests x "
           f"{cfg['new_tokens']} new tokens, `{cfg['compressor']}`, x={cfg['horizon']}; slow link at ratio "
           f"{cfg['slow_link_ratio']}, verification on a link at ratio {cfg['fast_link_ratio']} of "
@@ -128,7 +148,10 @@ def _write(out_dir: Path, cfg: dict, rows: list[dict], summary: dict, quick: boo
           "(not in the per-request times).", "", table(rows, cols), "",
           f"Mean TTFT: fetch-then-decode {summary['ttft_s']['fetch_then_decode']:.2f} s, VeriCache "
           f"{summary['ttft_s']['vericache']:.2f} s. Throughput: {summary['throughput_tok_s']['fetch_then_decode']:.2f} "
-          f"vs {summary['throughput_tok_s']['vericache']:.2f} tok/s."]
+          f"vs {summary['throughput_tok_s']['vericache']:.2f} tok/s (`{specs[0]}`)."]
+    for spec, by in summary.get("by_compressor", {}).items():
+        md.append(f"- `{spec}`: {by['throughput_tok_s']:.2f} tok/s, mean TTFT {by['ttft_s']:.2f} s, accepted length "
+                  f"{by['mean_accepted_length']:.2f}")
     (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
     import matplotlib
 
@@ -136,10 +159,15 @@ def _write(out_dir: Path, cfg: dict, rows: list[dict], summary: dict, quick: boo
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    x = [r["request"] for r in rows]
+    width = 0.8 / (1 + len(specs))
     for ax, key, label in ((axes[0], "ttft_s", "time to first token (s)"), (axes[1], "total_s", "request time (s)")):
-        ax.bar([i - 0.2 for i in x], [r[f"fetch_then_decode_{key}"] for r in rows], 0.4, label="fetch-then-decode")
-        ax.bar([i + 0.2 for i in x], [r[f"vericache_{key}"] for r in rows], 0.4, label="VeriCache")
+        first = [r for r in rows if r["compressor"] == specs[0]]
+        ax.bar([r["request"] - 0.4 + width / 2 for r in first], [r[f"fetch_then_decode_{key}"] for r in first], width,
+               label="fetch-then-decode")
+        for k, spec in enumerate(specs, 1):
+            mine = [r for r in rows if r["compressor"] == spec]
+            ax.bar([r["request"] - 0.4 + width * (k + 0.5) for r in mine], [r[f"vericache_{key}"] for r in mine],
+                   width, label=f"VeriCache {spec[:40]}" if len(specs) > 1 else "VeriCache")
         ax.set_xlabel("request")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
