@@ -15,9 +15,10 @@ pytestmark = pytest.mark.real_model
 MODES = ("full_resident", "full_offloaded", "lossy", "vericache_lockstep", "vericache_staggered")
 
 
-def bench(which, tmp_path):
+def bench(which, tmp_path, config: str | None = None):
+    extra = ["--config", str(REPO / "benchmarks" / "configs" / config)] if config else []
     done = subprocess.run([sys.executable, "-m", "vericache_sglang.cli", "bench", which, "--quick", "--json",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+                           "--out", str(tmp_path), *extra], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -36,6 +37,34 @@ def test_prefix_quick(tmp_path):
     assert out["identical"] is True
     assert set(out["ttft_s"]) == set(out["throughput_tok_s"]) == {"fetch_then_decode", "vericache"}
     assert (tmp_path / "prefix_quick.png").is_file()
+
+
+def test_compressors_side_by_side_quick(tmp_path):
+    """The re-runs of issue #16 (longctx_drafting.json, prefix_drafting.json): several compressors
+    in one run, drafting modifiers included, every output identical."""
+    out = bench("longctx", tmp_path, "longctx_drafting.json")
+    assert out["identical"] is True and out["compressor"] == "streamingllm:sink=4,window=512"
+    rows = json.loads((tmp_path / "longctx_drafting_quick.json").read_text())["rows"]
+    specs = {r["compressor"] for r in rows if r["mode"] == "vericache_staggered"}
+    assert len(specs) == 2 and any("+refresh" in s for s in specs) and all(r["identical"] for r in rows)
+    out = bench("prefix", tmp_path, "prefix_drafting.json")
+    assert out["identical"] is True and len(out["by_compressor"]) == 2
+    assert "| compressor |" in (tmp_path / "prefix_drafting_quick.md").read_text()
+
+
+def test_drafting_quick(tmp_path):
+    """benchmarks/drafting.py --quick: every table written, the replay equal to the live run it
+    is checked against, the RAG peers identical to full-KV decoding."""
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "drafting.py"), "--quick", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    out = json.loads((tmp_path / "drafting.json").read_text())
+    assert out["grid"] and out["peers"] and out["long"]
+    assert out["rag"] and all(r["identical"] for r in out["rag"])
+    for check in out["live_checks"]:
+        assert check["identical"] is True
+        assert check["live_mean_accepted_length"] == pytest.approx(check["estimated_mean_accepted_length"], abs=0.25)
+    assert (tmp_path / "drafting.png").is_file() and "RAG setting" in (tmp_path / "drafting.md").read_text()
 
 
 def test_acceptance_quick(tmp_path):

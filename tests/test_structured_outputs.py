@@ -54,7 +54,8 @@ def test_a_json_schema_on_the_prose_prompt_is_full_kv_constrained_decoding(real_
     _check(real_engine, exactness, "prose", sampling)
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), pytest.param(SAMPLED, marks=pytest.mark.slow)],
+                         ids=["greedy", "sampled"])
 def test_prompt_lookup_chains_under_a_grammar_are_full_kv_constrained_decoding(real_engine, exactness, sampling):
     """Lookup chains stop where the grammar forbids a token; the masks drafting used are the
     verification's. The tools prompt's calls recur, so chains are drafted."""

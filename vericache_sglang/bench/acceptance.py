@@ -206,6 +206,7 @@ def replay(runner: ModelRunner, pre: Prefill, traj: Trajectory, compressor: Comp
     lookup = compressor.lookup
     model = lookup is None or lookup.model
     ckv = compressor.compress(pre.kv, pre.obs)
+    compressed_bytes = ckv.nbytes  # the prompt's, before any output is folded in
     index = NgramIndex(lookup) if lookup is not None else None
     if index is not None:
         index.extend([*pre.tokens, g[0]])
@@ -239,6 +240,6 @@ def replay(runner: ModelRunner, pre: Prefill, traj: Trajectory, compressor: Comp
         c += t
     stats = window_stats([w.drafted for w in windows], [w.accepted for w in windows],
                          [w.accepted + 1 for w in windows])
-    return {**stats, "forwards": [w.forwards for w in windows],
+    return {**stats, "forwards": [w.forwards for w in windows], "compressed_kv_bytes": compressed_bytes,
             "lookup_drafted": sum(w.lookup_drafted for w in windows),
             "lookup_accepted": sum(w.lookup_accepted for w in windows)}

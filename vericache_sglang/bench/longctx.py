@@ -40,13 +40,15 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
     modes = cfg.get("modes", list(MODES))  # the reference first; staggered is what the summary reads
     if not modes or modes[0] != "full_resident" or "vericache_staggered" not in modes or not set(modes) <= set(MODES):
         raise ValueError(f"modes {modes}: full_resident first, vericache_staggered among them, of {list(MODES)}")
+    # Several compressors side by side in one run (the first is the summary's); modes that read no
+    # compressed KV run once.
+    specs = cfg.get("compressors", [cfg["compressor"]])
+    if specs[0] != cfg["compressor"]:
+        raise ValueError(f"compressors {specs}: the first is the summary's, so must be {cfg['compressor']}")
     torch.set_num_threads(cfg["threads"])
     engine = Engine(cfg["model"])
     runner = engine.runner
     gen = engine.config(max_new_tokens=cfg["new_tokens"], horizon=cfg["horizon"], keep_logits=True)
-    # Several compressors side by side in one run (the first is the summary's); modes that read no
-    # compressed KV run once.
-    specs = cfg.get("compressors", [cfg["compressor"]])
     prompts = prompts_for(engine, cfg["prompts"], cfg["requests"])
     t = time.monotonic()
     pres = [engine.prefill(p, reuse_prefix=False) for p in prompts]

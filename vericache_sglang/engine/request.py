@@ -85,6 +85,7 @@ class VeriCacheRequest:
         self.verify_s: float | None = None
         self.link_bytes_s: float | None = None
         self._window_started = self._verify_started = 0.0
+        self._window_steps = 0  # decode_steps when the window began
         if pre is not None:  # ``ckv``: the prompt's compressed KV, when the caller has made it already
             self.ckv = ckv if ckv is not None else compressor.compress(pre.kv, pre.obs)
             self.kv = store.open_request(pre.tokens, request_id)
