@@ -39,6 +39,7 @@ def test_prefix_quick(tmp_path):
     assert (tmp_path / "prefix_quick.png").is_file()
 
 
+@pytest.mark.slow
 def test_compressors_side_by_side_quick(tmp_path):
     """The re-runs of issue #16 (longctx_drafting.json, prefix_drafting.json): several compressors
     in one run, drafting modifiers included, every output identical."""

@@ -41,6 +41,9 @@ def common_prefix(seqs: list[list[int]]) -> list[int]:
 
 def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | None = None, log=print) -> dict:
     cfg = load_config("prefix", config_path, quick)
+    specs = cfg.get("compressors", [cfg["compressor"]])
+    if specs[0] != cfg["compressor"]:
+        raise ValueError(f"compressors {specs}: the first is the summary's, so must be {cfg['compressor']}")
     torch.set_num_threads(cfg["threads"])
     engine = Engine(cfg["model"])
     runner, tok = engine.runner, engine.tokenizer
@@ -60,7 +63,7 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
     # Several compressors side by side in one run (the first is the summary's): each registers the
     # document once; fetch-then-decode runs once per request.
     prefixes = {}
-    for spec in cfg.get("compressors", [cfg["compressor"]]):
+    for spec in specs:
         prefixes[spec] = prefix = PrefixRegistry(runner, local, parse_spec(spec)).register(shared)
         log(f"document: {len(prefix.tokens)} tokens registered in {prefix.seconds:.1f} s (full KV "
             f"{prefix.full_kv_bytes / 2**20:.1f} MiB, `{spec}` {prefix.compressed_kv_bytes / 2**20:.1f} MiB)")
@@ -80,8 +83,7 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
             r = rows[-1]
             log(f"request {i}: TTFT {r['fetch_then_decode_ttft_s']:.2f} s -> {r['vericache_ttft_s']:.2f} s, "
                 f"total {total_fd:.1f} s -> {r['vericache_total_s']:.1f} s, `{spec}` identical={r['identical']}")
-    first = cfg.get("compressors", [cfg["compressor"]])[0]
-    summary = _summary(cfg, [r for r in rows if r["compressor"] == first], prefixes[first], probe)
+    summary = _summary(cfg, [r for r in rows if r["compressor"] == specs[0]], prefixes[specs[0]], probe)
     if len(prefixes) > 1:
         summary["identical"] = all(r["identical"] for r in rows)
         summary["by_compressor"] = {spec: {
