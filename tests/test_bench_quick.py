@@ -122,3 +122,17 @@ def test_longctx_modes_are_checked_before_anything_runs(tmp_path):
         path.write_text(json.dumps({**base, "modes": modes}))
         with pytest.raises(ValueError, match="full_resident first"):
             longctx.run(path)
+
+
+@pytest.mark.parametrize("which", ["longctx", "prefix"])
+def test_a_compressors_list_must_open_with_the_summarys_compressor(tmp_path, which):
+    """Side-by-side runs summarise their first compressor: a list that does not open with the
+    config's ``compressor`` is refused before the model loads."""
+    import importlib
+
+    module = importlib.import_module(f"vericache_sglang.bench.{which}")
+    base = json.loads((REPO / f"benchmarks/configs/{which}_drafting.json").read_text())
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**base, "compressors": base["compressors"][::-1]}))
+    with pytest.raises(ValueError, match="the first is the summary's"):
+        module.run(path)
