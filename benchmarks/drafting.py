@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vericache_sglang.bench.common import PROMPTS, RESULTS, load_config, table
+from vericache_sglang.core.horizon import WindowCost
 
 
 def geomean(values: list[float]) -> float:
@@ -45,10 +46,20 @@ def dropper_spec(name: str, ratio: float, prompt_tokens: int, refresh: dict | No
     return spec
 
 
+def peer_spec(spec: str, ratio: float, prompt_tokens: int) -> str:
+    """A peer's spec; ``streamingllm`` (MagicDec) is sized to ``ratio`` of the prompt like the droppers."""
+    return dropper_spec("streamingllm", ratio, prompt_tokens, None) if spec == "streamingllm" else spec
+
+
+def reads_compressed_kv(compressor) -> bool:
+    """False for prompt lookup alone, whose drafts read no compressed KV (its bytes count 0)."""
+    return compressor.lookup is None or compressor.lookup.model
+
+
 def window_cost(stats: dict, cost: dict) -> float:
-    """Committed tokens per unit time: a window costs ``max(forwards * draft, transfer) + verify``
-    (drafting overlaps the full KV's reload)."""
-    time_units = sum(max(f * cost["draft_s"], cost["transfer_s"]) + cost["verify_s"] for f in stats["forwards"])
+    """Committed tokens per unit time: each window costs ``WindowCost.window_s`` of its draft
+    forwards (drafting overlaps the full KV's reload)."""
+    time_units = sum(WindowCost(**cost).window_s(f) for f in stats["forwards"])
     return sum(stats["committed"]) / time_units if time_units else 0.0
 
 
@@ -93,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         pre, _, traj = trajs[kind]
         compressor = parse_spec(spec)
         st = replay(runner, pre, traj, compressor, x)
-        alone = compressor.lookup is not None and not compressor.lookup.model  # no compressed KV read
-        st["bytes_over_full"] = 0.0 if alone else st["compressed_kv_bytes"] / pre.kv.nbytes
+        st["bytes_over_full"] = st["compressed_kv_bytes"] / pre.kv.nbytes if reads_compressed_kv(compressor) else 0.0
         return st
 
     for name in cfg["droppers"]:
@@ -111,10 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["prompts"]) * len(cfg["horizons"]):]))
     for label, spec in cfg["peers"].items():
         for kind in cfg["prompts"]:
-            if spec == "streamingllm":
-                spec_k = dropper_spec("streamingllm", cfg["ratio"], len(prepared[kind][0]), None)
-            else:
-                spec_k = spec
+            spec_k = peer_spec(spec, cfg["ratio"], len(prepared[kind][0]))
             for x in cfg["horizons"]:
                 st = measure(kind, spec_k, x)
                 row = {"method": label, "spec": spec_k, "prompt": kind, "horizon": x,
@@ -188,11 +195,10 @@ def rag_peers(engine, cfg: dict, log) -> list[dict]:
     rows = []
     refs = {}
     for label, spec in cfg["peers"].items():
-        spec = dropper_spec("streamingllm", cfg["ratio"], len(shared), None) if spec == "streamingllm" else spec
+        spec = peer_spec(spec, cfg["ratio"], len(shared))
         registry = PrefixRegistry(runner, store, parse_spec(spec))
         prefix = registry.register(shared)
-        lookup = registry.compressor.lookup
-        alone = lookup is not None and not lookup.model  # no compressed KV read
+        kept = prefix.compressed_kv_bytes / prefix.full_kv_bytes if reads_compressed_kv(registry.compressor) else 0.0
         for x in cfg["horizons"]:
             gen = engine.config(max_new_tokens=rag["new_tokens"], horizon=x, keep_logits=True)
             stats = {"committed": [], "forwards": [], "drafted": 0, "lookup_drafted": 0}
@@ -210,7 +216,6 @@ def rag_peers(engine, cfg: dict, log) -> list[dict]:
                 stats["forwards"] += res.stats.draft_forwards
                 stats["drafted"] += sum(res.stats.drafted)
                 stats["lookup_drafted"] += res.stats.lookup_drafted
-            kept = 0.0 if alone else prefix.compressed_kv_bytes / prefix.full_kv_bytes
             row = {"method": label, "spec": spec, "horizon": x, "prefix_tokens": len(prefix.tokens),
                    "requests": len(prompts), "bytes_over_full": kept,
                    "mean_accepted_length": sum(stats["committed"]) / len(stats["committed"]),
