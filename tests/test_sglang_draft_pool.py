@@ -1,5 +1,5 @@
 """The worker's CPU-runnable parts on SGLang's own pool objects, with SmolLM2's real KV: the private
-compressed draft pool (admit, commit through the compressor's update, release) and the packing of
+compressed draft pool (admit, commit through the compressor's update and refresh, release) and the packing of
 the core's verdicts into the tensors SGLang's scheduler reads."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from vericache_sglang.core.accept import greedy_accept
 from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.sglang.acceptance import pack
 from vericache_sglang.sglang.draft_pool import CompressedDraftPool, DraftPoolFull
-from vericache_sglang.sglang.pool_kv import read_full_kv
+from vericache_sglang.sglang.pool_kv import PoolParts, read_full_kv, write_full_kv
 
 pytestmark = pytest.mark.real_model
 HORIZON = 8
@@ -81,6 +81,46 @@ def test_admit_commit_release_on_sglang_pools(real_engine, prefills, spec):
     pool.release("r1")
     assert pool.allocator.available_size() == free_tokens
     assert pool.req_to_token_pool.available_size() == free_rows
+
+
+def test_commit_with_refresh_rechooses_the_rows_the_core_would(real_engine, prefills):
+    """``+refresh`` in the worker: the full KV read per layer out of an SGLang pool (``PoolParts``)
+    and the committed tokens' queries give the row exactly what the core's commit-then-refresh
+    gives on the same tensors, at the same token count."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    spec = "snapkv:ratio=0.03125+refresh:ratio=0.09375,span=16"
+    tokens, pre, pre_more = prefills
+    layout = real_engine.runner.layout
+    pool, comp = _pool(layout, spec), parse_spec(spec)
+    ckv = comp.compress(pre.kv, pre.obs)
+    reference = copy.deepcopy(ckv)
+    before = [layer.positions.clone() for layer in reference.layers]  # the prompt's refreshed rows
+    pool.admit("r1", ckv, len(tokens))
+    kept = pool.kept_len("r1")
+
+    total = len(pre_more.tokens)
+    target = MHATokenToKVPool(size=total + 8, page_size=1, dtype=layout.dtype, head_num=layout.num_kv_heads,
+                              head_dim=layout.head_dim, layer_num=layout.num_layers, device="cpu",
+                              enable_memory_saver=False)
+    slots = torch.randperm(total + 8)[:total] + 1  # a request's slots are anywhere in the pool
+    write_full_kv(target, slots, pre_more.kv)
+    n = total - len(tokens)
+    new = pre_more.kv.slice(len(tokens), total)
+    positions = torch.arange(len(tokens), total)
+    queries = [pre_more.obs.window_queries(layer, n) for layer in range(layout.num_layers)]
+    pool.commit("r1", new, positions, (PoolParts(target, slots, layout.num_layers), queries))
+
+    comp.commit(reference, new.layers, positions, queries)
+    comp.refresh(reference, [[kv] for kv in pre_more.kv.layers], queries)
+    assert pool.kept_len("r1") == kept + n == reference.layers[0].num_tokens
+    row = _row_kv(pool, "r1")
+    for (k, v), layer in zip(row.layers, reference.layers, strict=True):
+        rk, rv = layer.read()
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+    moved = sum(not torch.equal(a, layer.positions) for a, layer in zip(before, reference.layers, strict=True))
+    assert moved  # the refresh chose other rows than the prompt's: the comparison is not vacuous
+    pool.release("r1")
 
 
 def test_a_full_pool_refuses_cleanly_and_keeps_no_half_row(real_engine, prefills):

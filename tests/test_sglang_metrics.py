@@ -24,7 +24,7 @@ drafts = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
 target = torch.tensor([[5, 6, 9, 0, 0], [1, 2, 3, 4, 11]])  # request 0 accepts 2, request 1 all 4
 verdicts = [greedy_accept(d, t) for d, t in zip(drafts.tolist(), target.tolist())]
 packed = pack(verdicts, 5, torch.tensor([10, 20]))
-m.verified([v.accepted for v in packed.verdicts], 4, 0.03)
+m.verified([v.accepted for v in packed.verdicts], [4, 4], 0.03)
 m.full_kv_written.inc(4096)
 m.compressed_kv.set(1000)
 """

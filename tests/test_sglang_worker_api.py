@@ -25,12 +25,14 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 SGLANG_DIR = Path(__file__).resolve().parents[1] / "vericache_sglang" / "sglang"
-WORKER_FILES = ("worker.py", "host_offload.py", "forward.py", "request_plan.py", "step_output.py")
+WORKER_FILES = ("worker.py", "host_offload.py", "forward.py", "request_plan.py", "step_output.py",
+                "lookup_windows.py")
 
 # the attribute paths the worker reads, by the object they hang off
 REQ = {"grammar", "kv.cache_protected_len", "kv.req_pool_idx", "origin_input_ids", "return_logprob", "rid",
        "sampling_params", "skip_radix_cache_insert", "to_finish", "logprob.token_ids_logprob",
-       "logprob.top_logprobs_num"}
+       "logprob.top_logprobs_num", "output_ids", "eos_token_ids", "sampling_params.ignore_eos",
+       "sampling_params.stop_token_ids"}
 BATCH = {"extend_lens", "forward_mode", "has_grammar", "req_pool_indices", "reqs", "return_logprob", "seq_lens",
          "spec_algorithm", "spec_info"}
 RESULT = {"logits_output", "new_seq_lens", "next_draft_input", "next_token_ids"}

@@ -1,11 +1,13 @@
 """SGLang on this CPU: the same requests through stock SGLang and through VeriCache servers, one
-``full_kv`` mode each (``vericache bench sglang``; config ``benchmarks/configs/sglang_cpu.json``).
+``full_kv`` mode each, for each of the config's ``compressors`` (default: ``vericache.compressor``)
+(``vericache bench sglang``; config ``benchmarks/configs/sglang_cpu.json``).
 
 Each server runs alone (started, loaded, stopped, then the next), on the same machine, so their
 numbers are side by side. Per server and load: completion tokens per second over the load's wall
 time, the mean accepted length (tokens committed per verification, from the server's own
-``/metrics``), the device KV pool's peak token usage as SGLang reports it, and how many answers
-are stock SGLang's, text for text. Writes ``sglang_cpu.json``, ``sglang_cpu.md`` and a PNG.
+``/metrics``), draft passes per step and the share of drafts prompt lookup copied (``+lookup``),
+the device KV pool's peak token usage as SGLang reports it, and how many answers are stock
+SGLang's, text for text. Writes ``STEM.json``, ``STEM.md`` and a PNG (``stem``: ``sglang_cpu``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ def _loads(cfg: dict) -> dict[str, list[Ask]]:
             for label, load in cfg["loads"].items()}
 
 
-def _vericache_config(cfg: dict, mode: str, store_url: str | None) -> dict:
+def _vericache_config(cfg: dict, mode: str, store_url: str | None, compressor: str | None = None) -> dict:
     out = {**cfg["vericache"], "full_kv": mode}
+    if compressor is not None:
+        out["compressor"] = compressor
     if mode == "store":
         out["store"] = store_url
     if mode == "host":
@@ -49,7 +53,17 @@ def _measure(server: SGLangServer, loads: dict[str, list[Ask]], reference: dict 
         row = {"server": name, "load": label, "requests": len(questions), "completion_tokens": tokens,
                "seconds": round(result.seconds, 2), "tokens_per_s": tokens / result.seconds,
                "peak_kv_tokens": int(result.peak_tokens),
-               "mean_accepted_length": accepted_length(server.metrics(), before) if name != "stock" else None}
+               "mean_accepted_length": None, "draft_passes_per_step": None, "lookup_share": None}
+        if name != "stock":
+            after = server.metrics()
+
+            def grown(metric: str, after: dict = after, before: dict = before) -> float:
+                return after.get(metric, 0.0) - before.get(metric, 0.0)
+
+            steps, drafted = grown("vericache_step_seconds_count"), grown("vericache_drafted_tokens_total")
+            row.update(mean_accepted_length=accepted_length(after, before),
+                       draft_passes_per_step=grown("vericache_draft_passes_total") / steps if steps else None,
+                       lookup_share=grown("vericache_lookup_drafted_tokens_total") / drafted if drafted else None)
         if reference is not None:
             ref = reference[label]
             row["identical"] = sum(a.text == b.text and a.finish_reason == b.finish_reason
@@ -98,15 +112,17 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
     finally:
         stock.stop()
     reference = {r["load"]: r.pop("_answers") for r in rows}
+    compressors = cfg.get("compressors") or [cfg["vericache"]["compressor"]]
     with _store_server(logs) as store_url:
-        for mode in cfg["modes"]:
-            name = f"vericache {mode}"
-            server = SGLangServer(logs, name.replace(" ", "-"), *cfg["server_args"],
-                                  vericache=_vericache_config(cfg, mode, store_url))
-            try:
-                rows += _measure(server, loads, reference, name, log)
-            finally:
-                server.stop()
+        for compressor in compressors:
+            for mode in cfg["modes"]:
+                name = f"vericache {mode}" if len(compressors) == 1 else f"vericache {mode} {compressor}"
+                server = SGLangServer(logs, f"vericache-{mode}-{compressors.index(compressor)}", *cfg["server_args"],
+                                      vericache=_vericache_config(cfg, mode, store_url, compressor))
+                try:
+                    rows += _measure(server, loads, reference, name, log)
+                finally:
+                    server.stop()
     for row in rows:
         stock_row = next(r for r in rows if r["server"] == "stock" and r["load"] == row["load"])
         row["vs_stock"] = row["tokens_per_s"] / stock_row["tokens_per_s"]
@@ -115,10 +131,11 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
     out = Path(out_dir) if out_dir else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        stem = "sglang_cpu_quick" if quick else "sglang_cpu"
+        stem = cfg.get("stem", "sglang_cpu") + ("_quick" if quick else "")
         (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
-        cols = ["server", "load", "requests", "tokens_per_s", "vs_stock", "mean_accepted_length", "peak_kv_tokens",
-                "kv_vs_stock", "identical", "completion_tokens", "seconds"]
+        cols = ["server", "load", "requests", "tokens_per_s", "vs_stock", "mean_accepted_length",
+                "draft_passes_per_step", "lookup_share", "peak_kv_tokens", "kv_vs_stock", "identical",
+                "completion_tokens", "seconds"]
         (out / f"{stem}.md").write_text(f"# SGLang on this CPU: stock against VeriCache\n\nConfig: "
                                         f"`{json.dumps(summary['config'])}`\n\n{table(rows, cols)}\n")
         _plot(out / f"{stem}.png", rows)

@@ -18,10 +18,11 @@ from remote_store import refused
 from remote_store.fullkv import FullKVStore
 from vericache_sglang.core.accept import Verdict, greedy_accept, rejection_accept
 from vericache_sglang.core.compress import Compressor
+from vericache_sglang.core.drafting import DraftWindow
 from vericache_sglang.core.horizon import AdaptiveHorizon, WindowCost
 from vericache_sglang.core.kv import CompressedKV
-from vericache_sglang.core.lookup import NgramIndex, Proposal
-from vericache_sglang.core.sampling import STREAM_DRAFT, Sampler
+from vericache_sglang.core.lookup import NgramIndex
+from vericache_sglang.core.sampling import Sampler
 from vericache_sglang.engine.fetch import FetchError, FullKVFetch, ResidentFeed
 from vericache_sglang.engine.generation import GenerationConfig, GenerationResult, Output, Prefill, VerifyTiming
 from vericache_sglang.engine.runner import (
@@ -63,19 +64,11 @@ class VeriCacheRequest:
         self.feed: FullKVFetch | ResidentFeed | None = None
         self.last_read_bytes = 0
         self.first_token_s: float | None = None  # time to the first committed token
-        self.drafts: list[int] = []
-        self.draft_probs: list[torch.Tensor] = []
-        # With a constraint: the grammar's state after the committed tokens (walked along the drafts
-        # and rolled back), and the mask it gave before each draft (reused by the verification).
+        # With a constraint: the grammar's state after the committed tokens (the window walks it
+        # along the drafts, the verification rolls it back and reuses each draft's mask).
         self.grammar = cfg.constraint.state() if cfg.constraint is not None else None
-        self.draft_masks: list[torch.Tensor] = []
-        self._grammar_walked = 0  # drafts the grammar took this window
-        self._grammar_halted = False  # a draft it could not take: drafting stops there
-        self.x = 0
+        self.window: DraftWindow | None = None  # the open draft window (core/drafting.py)
         self._draft_ctx: DraftKV | None = None
-        self._unfed: list[int] = []
-        self._chain = self._chain_match = 0
-        self._sources: list[str] = []  # each draft's source: "model" or "lookup"
         self.lookup = compressor.lookup
         self.lookup_index: NgramIndex | None = None  # over the committed tokens, built below
         # Measured costs for the adaptive horizon (exponential averages): per draft step, per verify
@@ -197,152 +190,40 @@ class VeriCacheRequest:
         self.resident = self._recompute(self.tokens[: self.exact_upto])
         self.feed = ResidentFeed.of_resident(self.resident)
 
-    # drafting: the compressed KV's model, composed with prompt-lookup chains (core/lookup.py)
+    # drafting: the compressed KV's model, composed with prompt-lookup chains (core/drafting.py)
     def begin_window(self, x: int) -> None:
         self._window_started = time.monotonic()
         self._window_steps = self.stats.decode_steps
-        self.x = x
-        self.drafts, self.draft_probs, self.draft_masks, self._sources = [], [], [], []
-        self._grammar_walked, self._grammar_halted = 0, False
         self._draft_ctx = DraftKV(self.ckv)
-        self._unfed = list(self.tokens[self.exact_upto :])  # inputs the window's KV lacks yet
-        self._chain, self._chain_match = 0, 0  # a lookup chain at the end of the drafts, unchecked
-        if self.lookup is not None and not self.lookup.model:  # prompt lookup alone: no forward
-            while len(self.drafts) < x and self._push_chain(self._propose(), trusted=True):
-                pass
-            self._unfed = []
+        # the committed tokens the window's KV lacks yet are its first inputs
+        self.window = DraftWindow(x, len(self.tokens), self.tokens[self.exact_upto :], self.sampler, self.rejection,
+                                  self.cfg.eos_token_ids, self.runner.vocab_size, self._draft_ctx.forget,
+                                  self.lookup, self.lookup_index, self.grammar, self.runner.device)
+
+    @property
+    def drafts(self) -> list[int]:
+        return [] if self.window is None else self.window.drafts
 
     @property
     def drafting(self) -> bool:
         """Whether the window needs another draft forward."""
-        if not self._unfed or self._grammar_halted:
-            return False
-        if self._chain > 1 and not self.lookup.trusted(self._chain_match):
-            return True  # the model checks the chain, so the drafts are the model's own
-        return self._room_to_draft()
-
-    def _room_to_draft(self) -> bool:
-        """Whether the window takes another draft: under its horizon, not past an end, nor past
-        a draft the grammar could not take."""
-        eos = self.drafts and self.drafts[-1] in self.cfg.eos_token_ids  # nothing after an end is committed
-        return len(self.drafts) < self.x and not eos and not self._grammar_halted
+        return self.window is not None and self.window.drafting
 
     def draft_segment(self) -> Segment:
         """The inputs the window's KV lacks: the committed tokens without exact KV (at the window's
         start), the last model draft, or a lookup chain (whose every row the model checks)."""
-        pos = len(self.tokens) + len(self.drafts) - len(self._unfed)
-        return Segment(list(self._unfed), list(range(pos, pos + len(self._unfed))), self._draft_ctx,
-                       logits="all" if self._chain else "last")
+        w = self.window
+        return Segment(list(w.pending), list(range(w.position, w.position + len(w.pending))), self._draft_ctx,
+                       logits="all" if w.chain else "last")
 
     def take_draft(self, out: SegmentOutput) -> None:
         self.stats.decode_steps += 1
-        rows = out.logits
-        if self._chain:
-            first = len(self.drafts) - self._chain  # the chain's first draft (checked when proposed)
-            trusted = self.lookup.trusted(self._chain_match)
-            for i in range(1, self._chain):  # draft first + i, predicted by the chain's row i - 1
-                idx = first + i
-                token, probs, mask = self._choose(rows[i - 1 : i], idx)
-                if token == self.drafts[idx] or trusted:
-                    if not trusted and self.rejection:  # drafted iff the model drew it: its distribution
-                        self.draft_probs[idx] = probs
-                    continue
-                self._pop(len(self.drafts) - idx)  # the model disagrees: its token from here
-                self._draft_ctx.forget(self._chain - i)
-                self._push(token, probs, mask, "model")
-                self._unfed, self._chain = [token], 0
-                return
-        self._unfed, self._chain = [], 0
-        if self._room_to_draft():
-            self._decide(rows[-1:])
-
-    def _decide(self, logits: torch.Tensor) -> None:
-        """The next draft, the model's next-token logits known: a lookup chain where the lookup
-        agrees with the model's token (or its match is trusted), else the model's token."""
-        token, probs, mask = self._choose(logits, len(self.drafts))
-        proposal = self._propose()
-        trusted = proposal is not None and self.lookup.trusted(proposal.match)
-        if proposal is not None and (proposal.tokens[0] == token or trusted):
-            if self._push_chain(proposal, trusted, None if trusted else probs):
-                return
-        self._push(token, probs, mask, "model")
-        self._unfed = [token]
-
-    def _propose(self) -> Proposal | None:
-        if self.lookup is None:
-            return None
-        tail = self.lookup.max_ngram
-        history = (self.tokens[-tail:] + self.drafts)[-tail:]
-        room = min(self.lookup.max_tokens, self.x - len(self.drafts))
-        return self.lookup_index.propose(history, len(self.tokens), room)
-
-    def _push_chain(self, proposal: Proposal | None, trusted: bool, first_probs: torch.Tensor | None = None) -> int:
-        """Draft a lookup chain (as far as a grammar allows it); returns how many were drafted."""
-        if proposal is None:
-            return 0
-        pushed = 0
-        for token in proposal.tokens[: self.x - len(self.drafts)]:
-            mask = None
-            if self.grammar is not None:
-                mask = self.grammar.mask()
-                if not self.grammar.allows(token, mask):
-                    break  # the grammar does not allow it: the chain stops before it
-            probs = None
-            if self.rejection:  # drafted for certain (trusted, or unchecked at the window's end)
-                probs = first_probs if pushed == 0 and first_probs is not None else self._onehot(token)
-            self._push(token, probs, mask, "lookup")
-            pushed += 1
-            if self._grammar_halted or token in self.cfg.eos_token_ids:
-                break
-        if pushed:
-            self._unfed, self._chain, self._chain_match = list(self.drafts[-pushed:]), pushed, proposal.match
-        return pushed
-
-    def _onehot(self, token: int) -> torch.Tensor:
-        probs = torch.zeros(self.runner.vocab_size)
-        probs[token] = 1.0
-        return probs
-
-    def _choose(self, logits: torch.Tensor, idx: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
-        """The model's draft at draft index ``idx`` from its logits ``[1, vocab]``: the token, its
-        distribution (rejection sampling) and the grammar's mask there."""
-        pos = len(self.tokens) + idx  # the drafted token's position
-        mask = None
-        if self.grammar is not None:
-            mask = self.draft_masks[idx] if idx < len(self.draft_masks) else self.grammar.mask()
-            logits = self.grammar.apply(logits, mask)
-        if self.rejection:
-            return int(self.sampler.sample(logits, [pos], STREAM_DRAFT)[0]), self.sampler.probs(logits)[0], mask
-        return int(self.sampler.sample(logits, [pos])[0]), None, mask
-
-    def _push(self, token: int, probs: torch.Tensor | None, mask: torch.Tensor | None, source: str) -> None:
-        self.drafts.append(token)
-        self._sources.append(source)
-        if self.rejection:
-            self.draft_probs.append(probs)
-        if self.grammar is not None:
-            self.draft_masks.append(mask)
-            if self.grammar.advance(token):
-                self._grammar_walked += 1
-            else:  # complete, or the draft is not in it: nothing after it can be verified as drafted
-                self._grammar_halted = True
-
-    def _pop(self, n: int) -> None:
-        """Take back the last ``n`` drafts (and the grammar's steps along them)."""
-        if not n:
-            return
-        if self.grammar is not None:
-            walked = n - 1 if self._grammar_halted else n  # only the last draft can have halted it
-            self.grammar.rollback(walked)
-            self._grammar_walked -= walked
-            self._grammar_halted = False
-            del self.draft_masks[-n:]
-        if self.rejection:
-            del self.draft_probs[-n:]
-        del self.drafts[-n:], self._sources[-n:]
+        self.window.take(out.logits)
 
     # verification
     def verify_segment(self) -> Segment:
+        if self.window is None:  # verified without a window (nothing drafted)
+            self.begin_window(0)
         self._verify_started = time.monotonic()
         if self.drafts:
             self.draft_s = self._ema(self.draft_s, (self._verify_started - self._window_started) / len(self.drafts))
@@ -390,10 +271,9 @@ class VeriCacheRequest:
         stats.accepted.append(verdict.accepted)
         stats.committed.append(taken)
         stats.draft_forwards.append(stats.decode_steps - self._window_steps)
-        stats.lookup_drafted += self._sources.count("lookup")
-        stats.lookup_accepted += self._sources[: verdict.accepted].count("lookup")
-        self.drafts, self.draft_probs, self.draft_masks, self._draft_ctx = [], [], [], None
-        self._unfed, self._chain, self._sources = [], 0, []
+        stats.lookup_drafted += self.window.sources.count("lookup")
+        stats.lookup_accepted += self.window.sources[: verdict.accepted].count("lookup")
+        self.window, self._draft_ctx = None, None
         return verdict
 
     def _constrained(self, logits: torch.Tensor) -> torch.Tensor:
@@ -401,11 +281,11 @@ class VeriCacheRequest:
         position by the mask drafting used there, the bonus position by the state after every
         draft; then the grammar goes back to the committed state."""
         k = len(self.drafts)
-        masks = list(self.draft_masks)
-        if not self.grammar.terminated and not self._grammar_halted:
+        masks = list(self.window.draft_masks)
+        if not self.grammar.terminated and not self.window.grammar_halted:
             masks.append(self.grammar.mask())
-        self.grammar.rollback(self._grammar_walked)
-        self._grammar_walked = 0
+        self.grammar.rollback(self.window.grammar_walked)
+        self.window.grammar_walked = 0
         rows = logits[: k + 1].float().clone()
         if masks:
             rows[: len(masks)] = self.grammar.apply(rows[: len(masks)], torch.cat(masks))
@@ -422,7 +302,7 @@ class VeriCacheRequest:
     def _accept(self, logits: torch.Tensor, positions: list[int]) -> Verdict:
         token_positions = [p + 1 for p in positions]
         if self.rejection and self.drafts:
-            return rejection_accept(self.drafts, torch.stack(self.draft_probs), self.sampler.probs(logits),
+            return rejection_accept(self.drafts, torch.stack(self.window.draft_probs), self.sampler.probs(logits),
                                     token_positions, self.sampler)
         return greedy_accept(self.drafts, self.sampler.sample(logits, token_positions).tolist())
 

@@ -47,6 +47,9 @@ def _unsupported_by_worker(compressor: Compressor | type[Compressor]) -> str:
     if not compressor.uniform_layers:
         return "its layers keep different token counts, and the draft pool gives one slot set to all layers"
     extra = compressor.needs - {"window"}
+    inner = getattr(compressor, "inner", None)
+    if getattr(compressor, "refreshes", False) and inner is not None and not inner.update_queries:
+        extra -= {"update_queries"}  # refresh's alone: the worker captures the verify pass's queries
     if extra:
         return (f"it needs {', '.join(sorted(extra))} from the model, and the worker captures only the "
                 "prefill's last queries")
@@ -81,12 +84,6 @@ class VeriCacheConfig:
                 f"vericache-config compressor {compressor.spec!r} is a {compressor.kind} compressor; the SGLang "
                 f"worker drafts over a token-dropping compressed pool only ({', '.join(sglang_compressors())})"
             )
-        if compressor.lookup is not None or compressor.refreshes:
-            # Both need the worker's draft loop to take multi-token chains and its verify to hand
-            # the full KV and queries back: not built yet (the reference and batch engines have them).
-            raise VeriCacheConfigError(
-                f"vericache-config compressor {compressor.spec!r}: the SGLang worker does not run the drafting "
-                "modifiers (refresh, lookup) yet; use them with `vericache generate` / `vericache serve`")
         why = _unsupported_by_worker(compressor)
         if why:
             raise VeriCacheConfigError(f"vericache-config compressor {compressor.spec!r}: {why}; the SGLang worker "
@@ -103,6 +100,18 @@ class VeriCacheConfig:
         if self.full_kv not in FULL_KV_PLACES:
             raise VeriCacheConfigError(
                 f"vericache-config full_kv must be one of {', '.join(FULL_KV_PLACES)}, got {self.full_kv!r}")
+        if compressor.refreshes and self.full_kv == "host":
+            # Refresh reads the request's full KV right after its verification; with full_kv=host
+            # that KV is only lent to the verify pass and goes back to the host before the commit.
+            raise VeriCacheConfigError(
+                f"vericache-config compressor {compressor.spec!r}: +refresh needs the full KV on the device at "
+                "commit time; use full_kv device or store")
+        if compressor.lookup is not None and (self.full_kv == "host" or not compressor.lookup.model):
+            # Host mode plans its reloads across a fixed number of draft passes (one per draft);
+            # lookup alone drafts with no pass at all over a compressed KV the worker still keeps.
+            raise VeriCacheConfigError(
+                f"vericache-config compressor {compressor.spec!r}: the SGLang worker runs +lookup composed with "
+                "compressed-KV drafts (model=True) and the full KV on the device or in the store")
         if self.verification not in VERIFICATION_POLICIES:
             raise VeriCacheConfigError(
                 f"vericache-config verification must be one of {', '.join(VERIFICATION_POLICIES)}, "

@@ -1,15 +1,18 @@
 """The worker's private compressed-KV pool, built from SGLang's own pool classes.
 
 Each running request has one row in a private ``ReqToTokenPool``; the row lists the slots (in a
-private ``MHATokenToKVPool``) of the tokens its compressor kept, followed by ``horizon`` scratch
-slots that a draft pass writes its drafted tokens' K/V into. Drafted K/V is scratch: after a
+private ``MHATokenToKVPool``) of the tokens its compressor kept, followed by ``scratch`` slots
+(``horizon``; ``2 * horizon + 1`` with lookup chains, which may be fed, padded, at a window's end)
+that a draft pass writes its drafted tokens' K/V into. Drafted K/V is scratch: after a
 verification the request's compressed KV is updated through the compressor's ``update`` with the
-*committed* tokens' exact K/V (read from the target pool the verify pass wrote), and the row is
-rewritten from it. The draft attention backend (attention.py) reads these pools.
+*committed* tokens' exact K/V (read from the target pool the verify pass wrote), its refreshed
+rows re-chosen (``+refresh``: from the verify pass's attention over the full KV, still on the
+device), and the row is rewritten from it. The draft attention backend (attention.py) reads these pools.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +44,11 @@ class _Row:
 
 class CompressedDraftPool:
     def __init__(self, *, layout: Any, capacity_tokens: int, max_requests: int, max_context_len: int,
-                 horizon: int, compressor: Compressor, device: str, inner_backend: str = "triton"):
+                 horizon: int, compressor: Compressor, device: str, inner_backend: str = "triton",
+                 scratch: int | None = None):
         self.layout = layout
         self.horizon = horizon
+        self.scratch = horizon if scratch is None else scratch
         self.compressor = compressor
         self.req_to_token_pool = ReqToTokenPool(size=max_requests, max_context_len=max_context_len,
                                                 device=device, enable_memory_saver=False)
@@ -76,13 +81,22 @@ class CompressedDraftPool:
         self.rows[rid] = row
         return row.index
 
-    def commit(self, rid: str, full: FullKV, positions: torch.Tensor) -> None:
-        """Fold committed tokens' exact K/V ``full`` (at absolute ``positions``) into the row."""
+    def commit(self, rid: str, full: FullKV, positions: torch.Tensor,
+               refresh: tuple[Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]] | None = None
+               ) -> None:
+        """Fold committed tokens' exact K/V ``full`` (at absolute ``positions``) into the row.
+
+        ``refresh``: the request's whole full KV in parts per layer (up to and including these
+        tokens) and these tokens' verify queries per layer ``[q_heads, n, d]``; the compressor
+        re-chooses its refreshed rows from them (its ``refresh``), as the reference engine does
+        right after a commit. The row keeps its token count."""
         row = self.rows[rid]
         if int(positions[0]) != row.next_position or positions.numel() != full.num_tokens:
             raise ValueError(f"commit at positions {positions.tolist()[:3]}..., the row expects {row.next_position}")
         for layer, (k, v) in enumerate(full.layers):
             self.compressor.update(row.kv, layer, k, v, positions)
+        if refresh is not None:
+            self.compressor.refresh(row.kv, *refresh)
         row.next_position += full.num_tokens
         self.allocator.free(row.slots)
         self._write_row(row)
@@ -117,9 +131,9 @@ class CompressedDraftPool:
 
     def _write_row(self, row: _Row) -> None:
         kept = row.kv.layers[0].num_tokens
-        slots = self.allocator.alloc(kept + self.horizon)
+        slots = self.allocator.alloc(kept + self.scratch)
         if slots is None:
-            raise DraftPoolFull(f"no room for {kept + self.horizon} draft tokens")
+            raise DraftPoolFull(f"no room for {kept + self.scratch} draft tokens")
         write_kept_tokens(self.token_to_kv_pool, slots[:kept], row.kv)
         self.req_to_token_pool.write((row.index, slice(0, slots.numel())), slots.to(torch.int32))
         row.slots = slots

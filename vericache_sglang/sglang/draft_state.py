@@ -3,7 +3,8 @@
 - ``VeriCacheDraftInput``: each running request's seed (its last committed token, whose K/V the
   next verify pass writes), kept aligned with the batch as SGLang filters and merges it.
 - ``QueryCapture``: the last prompt queries of each request in a prefill (SnapKV's observation
-  window), read off the model's attention layers while the prefill runs.
+  window), read off the model's attention layers while the prefill runs; and a verify pass's
+  queries, which choose the refreshed rows (``+refresh``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class QueryCapture:
             for h in handles:
                 h.remove()
 
+    def rows(self, start: int, n: int) -> list[torch.Tensor]:
+        """This pass's queries of tokens ``[start, start + n)`` per layer, ``[q_heads, n, head_dim]``."""
+        return [q[start : start + n].reshape(n, -1, self.head_dim).transpose(0, 1) for q in self.queries]
+
     def keep(self, rid: str, start: int, end: int) -> None:
         """Keep request ``rid``'s queries, this prefill's tokens ``[start, end)``, after its earlier ones."""
         lo = max(start, end - OBS_WINDOW)
@@ -85,5 +90,5 @@ class QueryCapture:
         self.tails.pop(rid, None)
 
     def clear(self) -> None:
-        """Drop this prefill's queries (the kept tails stay)."""
+        """Drop this pass's queries (the kept tails stay)."""
         self.queries = [None] * len(self.layers)

@@ -4,7 +4,9 @@ fields substituted for the pass and restored after).
 
 - A **draft pass** (DECODE): one token per drafting request over the worker's private compressed
   pool (``draft_pool``): the request's private row, its kept length plus the drafts so far, a
-  scratch slot to write into, and the token's true position (RoPE).
+  scratch slot to write into, and the token's true position (RoPE). A pass where some request
+  feeds a prompt-lookup chain (``+lookup``) is a TARGET_VERIFY pass over the private pool
+  instead (``chain``), the shorter chains padded into their own scratch slots.
 - A **chain verification** (TARGET_VERIFY, SGLang's own convention as its NGRAM worker uses it:
   ``seq_lens`` the committed lengths, ``spec_info`` an ``NgramVerifyInput`` with
   ``draft_token_num = x + 1``): the seed and ``x`` drafts of each request, each token attending to
@@ -89,24 +91,35 @@ class ForwardBuilder:
                slots: torch.Tensor) -> ForwardBatch:
         """The chains ``[n, width]`` of the requests at batch indices ``rows``, over the target pool:
         ``committed`` their committed lengths, ``slots`` ``[n, width]`` where the chain's K/V goes."""
+        committed = committed.to(device=self.device, dtype=torch.int64)
+        positions = committed[:, None] + torch.arange(chain.shape[1], device=self.device)[None]
+        pool_rows = batch.req_pool_indices[rows.to(batch.req_pool_indices.device)]
+        return self.chain(batch, pool_rows, chain, committed, slots, positions)
+
+    def chain(self, batch: Any, pool_rows: torch.Tensor, chain: torch.Tensor, prefix_lens: torch.Tensor,
+              slots: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:
+        """A TARGET_VERIFY pass of chains ``[n, width]``, each over its pool row ``pool_rows[r]``'s
+        first ``prefix_lens[r]`` tokens and the chain before it, written at ``slots`` ``[n, width]``,
+        at true ``positions`` ``[n, width]``: the verification (target pool) and a lookup chain's
+        check (the private draft pool, through a backend bound to it)."""
         from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
         n, width = chain.shape
-        committed = committed.to(device=self.device, dtype=torch.int64)
-        positions = (committed[:, None] + torch.arange(width, device=self.device)[None]).reshape(-1)
+        prefix_lens = prefix_lens.to(device=self.device, dtype=torch.int64)
         spec = NgramVerifyInput(
-            draft_token=chain.reshape(-1), custom_mask=self._chain_mask(committed, width), positions=positions,
+            draft_token=chain.reshape(-1), custom_mask=self._chain_mask(prefix_lens, width),
+            positions=positions.to(self.device).reshape(-1),
             retrieve_index=torch.arange(n * width, device=self.device).view(n, width),
             retrieve_next_token=torch.cat([torch.arange(1, width, device=self.device),
                                            torch.tensor([-1], device=self.device)]).repeat(n, 1),
             retrieve_next_sibling=torch.full((n, width), -1, device=self.device), draft_token_num=width,
-            new_seq_lens=committed)
-        lens = committed.to(torch.int32)
+            new_seq_lens=prefix_lens)
+        lens = prefix_lens.to(torch.int32)
         lens_cpu = lens.cpu()
         with substituted(batch, forward_mode=ForwardMode.TARGET_VERIFY, input_ids=chain.reshape(-1),
-                         req_pool_indices=batch.req_pool_indices[rows.to(batch.req_pool_indices.device)],
-                         seq_lens=lens, seq_lens_cpu=lens_cpu, seq_lens_sum=int(lens_cpu.sum()), orig_seq_lens=lens,
-                         out_cache_loc=slots.reshape(-1), spec_info=spec, return_logprob=False):
+                         req_pool_indices=pool_rows, seq_lens=lens, seq_lens_cpu=lens_cpu,
+                         seq_lens_sum=int(lens_cpu.sum()), orig_seq_lens=lens, out_cache_loc=slots.reshape(-1),
+                         spec_info=spec, return_logprob=False):
             return self._init_new(batch)
 
     def _chain_mask(self, committed: torch.Tensor, width: int) -> torch.Tensor | None:

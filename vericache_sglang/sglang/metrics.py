@@ -51,6 +51,13 @@ class WorkerMetrics:
                                           names).labels(**labels)
         self.prefix_copy_hits = Counter("vericache_prefix_copy_hits", "Requests that drafted over a cached prefix's "
                                         "existing compressed copy", names).labels(**labels)
+        self.draft_passes = Counter("vericache_draft_passes", "Draft forward passes over the compressed KV (each "
+                                    "serves the whole batch; with +lookup one checks a whole chain)",
+                                    names).labels(**labels)
+        self.lookup_drafted = Counter("vericache_lookup_drafted_tokens", "Drafts copied by prompt lookup (+lookup)",
+                                      names).labels(**labels)
+        self.refreshes = Counter("vericache_refreshes", "Compressed-KV refreshes from a verification's attention "
+                                 "(+refresh)", names).labels(**labels)
         # kind: "outage" (the store failed; the device copy serves on) or "refused" (it refused this
         # server's credentials: a misconfiguration, logged as an error)
         self._store_errors = Counter("vericache_store_errors", "Store operations that failed, by kind",
@@ -65,11 +72,12 @@ class WorkerMetrics:
     def store_error(self, kind: str) -> None:
         self._store_errors.labels(**self.labels, kind=kind).inc()
 
-    def verified(self, accepted: list[int], horizon: int, seconds: float, undrafted: int = 0) -> None:
-        """One draft-and-verify step: ``accepted[i]`` drafts accepted for drafting request i (each
-        commits one more); ``undrafted`` requests verified one token without drafts."""
+    def verified(self, accepted: list[int], drafted: list[int], seconds: float, undrafted: int = 0) -> None:
+        """One draft-and-verify step: drafting request i drafted ``drafted[i]`` tokens and had
+        ``accepted[i]`` accepted (it commits one more); ``undrafted`` requests verified one token
+        without drafts."""
         self.verify_passes.inc(len(accepted) + undrafted)
-        self.drafted.inc(horizon * len(accepted))
+        self.drafted.inc(sum(drafted))
         self.generated.inc(sum(accepted) + len(accepted) + undrafted)
         for a in accepted:
             self.accepted_length.observe(a + 1)

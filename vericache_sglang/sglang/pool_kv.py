@@ -9,6 +9,7 @@ accessors: the public ``get_key_buffer`` waits on HiCache's layer counter, which
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,6 +44,26 @@ def read_full_kv(pool: Any, indices: torch.Tensor, layout: KVLayout) -> FullKV:
         k_buf, v_buf = _layer_buffers(pool, layer)
         layers.append((k_buf[idx].transpose(0, 1).contiguous(), v_buf[idx].transpose(0, 1).contiguous()))
     return FullKV(layout, layers)
+
+
+class PoolParts(Sequence):
+    """One request's exact KV in a pool, per layer on demand: ``parts[layer]`` is
+    ``[(keys, values)]`` ``[kv_heads, n, head_dim]`` at ``indices`` (the core's "full KV in parts"),
+    gathered when asked, so a reader that walks layers holds one layer's copy at a time."""
+
+    def __init__(self, pool: Any, indices: torch.Tensor, num_layers: int):
+        self.pool = pool
+        self.idx = indices.to(device=pool.device, dtype=torch.int64)
+        self.num_layers = num_layers
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __getitem__(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(layer)
+        k_buf, v_buf = _layer_buffers(self.pool, layer)
+        return [(k_buf[self.idx].transpose(0, 1), v_buf[self.idx].transpose(0, 1))]
 
 
 def compress_from_pool(pool: Any, indices: torch.Tensor, layout: KVLayout, compressor: Compressor,

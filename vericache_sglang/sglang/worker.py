@@ -8,7 +8,11 @@ pool and plans the request (``request_plan``). A decode step, for every running 
 
 1. ``horizon`` draft passes over ``CompressedDraftPool`` through the private draft backend
    (``ForwardContext`` override, UNO's pattern), one token per drafting request each; drafted K/V
-   goes to scratch slots. A grammar masks each draft (``grammar_masks``).
+   goes to scratch slots. A grammar masks each draft (``grammar_masks``). With ``+lookup`` each
+   request's window is the core's ``DraftWindow`` (prompt-lookup chains over its committed tokens,
+   checked by the model): a pass feeds each request its pending tokens, one (DECODE) or a chain
+   (TARGET_VERIFY over the private pool), until every window is full; requests with a grammar
+   draft as above, one token per pass.
 2. One verify pass over the target pool (``forward``: TARGET_VERIFY, in the representation the
    attention backend reads), writing the chain's exact K/V at the slots SGLang reserved. With
    ``full_kv=host`` (``host_offload``) the requests' own KV is off the device between
@@ -19,9 +23,11 @@ pool and plans the request (``request_plan``). A decode step, for every running 
    ("own" in ``request_plan``) take SGLang's own sample at their seed position instead: one
    verified token per step, exactly a stock decode step's choice.
 4. The committed tokens' exact K/V (read back from the target pool) goes into the compressed KV
-   through the compressor's ``update``, to the store (``full_kv=store``) and, with
-   ``full_kv=host``, to the host tier, its device slots freed. The correction or bonus token is the
-   next seed (no K/V yet), as in SGLang's own spec-v2 convention.
+   through the compressor's ``update`` (with ``+refresh``, its refreshed rows re-chosen by the
+   verify pass's queries of those tokens over the request's full KV, still in the pool), to the
+   store (``full_kv=store``) and, with ``full_kv=host``, to the host tier, its device slots freed.
+   The correction or bonus token is the next seed (no K/V yet), as in SGLang's own spec-v2
+   convention.
 
 Tested on CPU in real SGLang server processes (``tests/test_sglang_server.py``: torch_native
 attention). On a GPU (flashinfer, triton, fa3) unverified: no machine here has a GPU with sglang;
@@ -53,7 +59,7 @@ from vericache_sglang.core.accept import Verdict
 from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.core.sampling import Sampler
 from vericache_sglang.sglang.acceptance import draws, pack, verdict
-from vericache_sglang.sglang.attention import RUNNER_ATTR, create_draft_backend
+from vericache_sglang.sglang.attention import RUNNER_ATTR, create_draft_backend, pools_bound
 from vericache_sglang.sglang.chain_attention import NAME as CHAIN_BACKEND
 from vericache_sglang.sglang.draft_pool import CompressedDraftPool, DraftPoolFull
 from vericache_sglang.sglang.draft_state import QueryCapture, VeriCacheDraftInput
@@ -61,7 +67,7 @@ from vericache_sglang.sglang.forward import ForwardBuilder
 from vericache_sglang.sglang.grammar_masks import ChainMasks
 from vericache_sglang.sglang.hooks import config_of
 from vericache_sglang.sglang.metrics import WorkerMetrics, metrics_enabled
-from vericache_sglang.sglang.pool_kv import pool_layout, read_full_kv
+from vericache_sglang.sglang.pool_kv import PoolParts, pool_layout, read_full_kv
 from vericache_sglang.sglang.radix_cache import CompressedPrefix, tree_for
 from vericache_sglang.sglang.request_plan import Plan, plan_request
 from vericache_sglang.sglang.step_output import step_output
@@ -95,6 +101,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.store: Any = None
         self._requests: dict[str, Any] = {}  # rid -> RequestKV in the full-KV store
         self._plans: dict[str, Plan] = {}  # rid -> how the request is served
+        self.lookup: Any = None  # LookupWindows with +lookup
         self.host: Any = None  # HostOffload when full_kv=host
         self._host_bytes_seen = (0, 0)  # its byte totals already counted in the metrics
         self.metrics = None
@@ -125,7 +132,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.draft_pool = CompressedDraftPool(
             layout=self.layout, capacity_tokens=capacity, max_requests=req_to_token_pool.size,
             max_context_len=req_to_token_pool.max_context_len, horizon=self.horizon, compressor=self.compressor,
-            device=str(self.device))
+            device=str(self.device), scratch=2 * self.horizon + 1 if self.compressor.lookup else None)
         setattr(runner, RUNNER_ATTR, self.draft_pool.pools)
         if self.cfg.full_kv == "store":
             from remote_store import connect_store
@@ -147,6 +154,19 @@ class VeriCacheWorker(BaseSpecWorker):
         # the server's backend verifies where it reads SGLang's chain mask; torch_native cannot
         if self.forwards.convention == "chain":
             self.verify_backend = ATTENTION_BACKENDS[CHAIN_BACKEND](runner)
+        # a lookup chain's check: a TARGET_VERIFY pass over the private pool (on a GPU the draft
+        # backend's own masked TARGET_VERIFY: unverified, no GPU with sglang here)
+        self.draft_chain_backend = self.draft_backend
+        if self.compressor.lookup is not None:
+            from vericache_sglang.sglang.lookup_windows import LookupWindows
+
+            if self.forwards.convention == "chain":
+                with pools_bound(runner, self.draft_pool.pools):
+                    self.draft_chain_backend = ATTENTION_BACKENDS[CHAIN_BACKEND](runner)
+            self.lookup = LookupWindows(
+                self.compressor.lookup, self.horizon, self.draft_pool, self.forwards,
+                runner.model_config.vocab_size, self.cfg.verification == "rejection", self.device,
+                self._draft_pass, self._chain_pass)
         self._capture = QueryCapture(self.model_runner.model, self.model_runner.model_config.head_dim)
 
     def init_cuda_graphs(self) -> None:
@@ -197,6 +217,8 @@ class VeriCacheWorker(BaseSpecWorker):
                     row = torch.log_softmax(logits[i].float() / plan.sampler.params.temperature, dim=-1)
                     result.logits_output.next_token_logprobs[i] = row[token]
             full = self._admit(req, seq_len, ext)
+            if self.lookup is not None and req.grammar is None and self.draft_pool.has(req.rid):
+                self.lookup.admit(req.rid, [*req.origin_input_ids, *req.output_ids, int(next_ids[i])])
             if self.store is not None:
                 handle = self.store.open_request(list(req.origin_input_ids), request_id=req.rid)
                 if self._store_write(req.rid, handle, 0, full):
@@ -223,8 +245,11 @@ class VeriCacheWorker(BaseSpecWorker):
             kv = self.compressor.compress(full, self._capture.observation(req.rid))
         else:
             kv = copy.kv.clone()
-            self.compressor.commit(kv, full.slice(copy.num_tokens, seq_len).layers,
-                                   torch.arange(copy.num_tokens, seq_len, device=self.device))
+            # the prompt's own tokens folded in exactly; with +refresh the copy's rows stay the
+            # document's until the first verification re-chooses them (as the reference engine)
+            positions = torch.arange(copy.num_tokens, seq_len, device=self.device)
+            for layer, (k, v) in enumerate(full.slice(copy.num_tokens, seq_len).layers):
+                self.compressor.update(kv, layer, k, v, positions)
         try:
             self.draft_pool.admit(req.rid, kv, seq_len)
         except DraftPoolFull as e:
@@ -297,11 +322,19 @@ class VeriCacheWorker(BaseSpecWorker):
             drafts.append(tokens)
             probs.append(q)
         masks.fill(self.horizon, rows)  # the bonus position
+        if self.metrics is not None:
+            self.metrics.draft_passes.inc(self.horizon)
         return torch.stack(drafts, dim=1), probs
 
     def _draft_pass(self, fb: Any) -> torch.Tensor:
         with self._using(self.draft_backend, fb):
             return self.model_runner.forward(fb).logits_output.next_token_logits
+
+    def _chain_pass(self, fb: Any) -> torch.Tensor:
+        """A TARGET_VERIFY pass over the private pool (lookup chains): every row's logits."""
+        with self._using(self.draft_chain_backend, fb):
+            out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+        return out.logits_output.next_token_logits
 
     def _decode(self, batch: Any, on_publish: Any) -> Any:
         started = time.perf_counter()
@@ -319,9 +352,22 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.host is not None:
             self.host.plan(reqs)
         drafts = torch.zeros((bs, x), dtype=torch.int64, device=self.device)
-        draft_probs: list[list[torch.Tensor | None]] = []
-        if drafting:
-            drafts[drafting], draft_probs = self._draft(batch, drafting, seeds, committed, samplers, masks)
+        counts: dict[int, int] = {}  # batch index -> its drafts (the rest of its row is padding)
+        draft_q: dict[int, list[torch.Tensor | None]] = {}  # ... and their distributions (rejection)
+        windowed = [i for i in drafting if self.lookup is not None and reqs[i].rid in self.lookup]
+        stepped = [i for i in drafting if i not in windowed]
+        if stepped:
+            drafts[stepped], probs = self._draft(batch, stepped, seeds, committed, samplers, masks)
+            for r, i in enumerate(stepped):
+                counts[i], draft_q[i] = x, [probs[j][r] for j in range(x)]
+        if windowed:
+            windows, passes = self.lookup.draft(batch, windowed, seeds, committed, samplers)
+            for i, window in zip(windowed, windows, strict=True):
+                counts[i], draft_q[i] = len(window.drafts), window.draft_probs
+                drafts[i, : counts[i]] = torch.tensor(window.drafts, dtype=torch.int64, device=self.device)
+            if self.metrics is not None:
+                self.metrics.draft_passes.inc(passes)
+                self.metrics.lookup_drafted.inc(sum(w.sources.count("lookup") for w in windows))
         masks.fill(0)  # requests verified without drafts
         masks.restore()
         chain = torch.cat([seeds[:, None], drafts], dim=1)  # [bs, x + 1]
@@ -336,27 +382,28 @@ class VeriCacheWorker(BaseSpecWorker):
                 out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
             return out.logits_output.next_token_logits
 
-        flat = verify(torch.arange(bs)) if self.host is None else self.host.verify(reqs, verify, width)
+        refreshing = self.compressor.refreshes and bool(drafting)
+        with self._capture.capturing() if refreshing else contextlib.nullcontext():
+            flat = verify(torch.arange(bs)) if self.host is None else self.host.verify(reqs, verify, width)
         logits = flat.view(bs, width, -1).float()
         masks.apply_chains(logits)
         own_ids, own = self._own_tokens(batch, flat.view(bs, width, -1)[:, 0], slots) if any(p.own for p in plans) \
             else (None, None)
-        index = {i: r for r, i in enumerate(drafting)}
         verdicts = []
         for i, plan in enumerate(plans):
             if plan.own:
                 verdicts.append(Verdict(0, [int(own_ids[i])]))
                 continue
-            k = x if i in index else 0
-            q = [draft_probs[j][index[i]] for j in range(k)] if i in index else []
-            verdicts.append(verdict(drafts[i, :k].tolist(), q, logits[i, : k + 1], int(committed[i]),
-                                     samplers[i], self.cfg.verification == "rejection"))
+            k = counts.get(i, 0)
+            verdicts.append(verdict(drafts[i, :k].tolist(), draft_q.get(i, []), logits[i, : k + 1], int(committed[i]),
+                                    samplers[i], self.cfg.verification == "rejection"))
         packed = pack(verdicts, width, committed)
-        self._commit(batch, packed, chain, committed, slots)
+        self._commit(batch, packed, chain, committed, slots, width if refreshing else 0)
+        self._capture.clear()
         if self.metrics is not None:
-            drafted = [v.accepted for i, v in enumerate(verdicts) if i in index]
-            self.metrics.verified(drafted, self.horizon, time.perf_counter() - started,
-                                  undrafted=len(verdicts) - len(drafted))
+            accepted = [v.accepted for i, v in enumerate(verdicts) if i in counts]
+            self.metrics.verified(accepted, [counts[i] for i in sorted(counts)], time.perf_counter() - started,
+                                  undrafted=len(verdicts) - len(accepted))
             self.metrics.compressed_kv.set(self.draft_pool.nbytes())
             self._count_host_bytes()
         batch.forward_mode = ForwardMode.DECODE
@@ -379,16 +426,28 @@ class VeriCacheWorker(BaseSpecWorker):
         return self.model_runner.sample(out, fb), out
 
     def _commit(self, batch: Any, packed: Any, chain: torch.Tensor, committed: torch.Tensor,
-                slots: torch.Tensor) -> None:
+                slots: torch.Tensor, captured_width: int = 0) -> None:
         """The seed and the accepted drafts now have exact K/V in the target pool: fold it into the
-        compressed KV and the store. The correction/bonus token is the next seed (no K/V yet)."""
+        compressed KV and the store. The correction/bonus token is the next seed (no K/V yet).
+
+        ``captured_width``: the verify pass's queries were captured, ``captured_width`` rows per
+        request; the compressor refreshes each drafting request's rows from its committed tokens'."""
         pool = self.model_runner.token_to_kv_pool
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
         for i, req in enumerate(batch.reqs):
             n = packed.verdicts[i].accepted + 1
             full = read_full_kv(pool, slots[i, :n], self.layout)
             if self.draft_pool.has(req.rid):
-                pos = torch.arange(int(committed[i]), int(committed[i]) + n)
-                self.draft_pool.commit(req.rid, full, pos)
+                end = int(committed[i]) + n
+                pos = torch.arange(int(committed[i]), end)
+                refresh = None
+                if captured_width:
+                    parts = PoolParts(pool, req_to_token[req.kv.req_pool_idx, :end], self.layout.num_layers)
+                    refresh = (parts, [q.float() for q in self._capture.rows(i * captured_width, n)])
+                    self._count("refreshes")
+                self.draft_pool.commit(req.rid, full, pos, refresh)
+            if self.lookup is not None:
+                self.lookup.extend(req.rid, packed.verdicts[i].tokens)  # committed; the last is the next seed
             handle = self._requests.get(req.rid)
             if handle is not None:
                 handle.extend_tokens(chain[i, :n].tolist())  # the seed and the accepted drafts
@@ -438,6 +497,8 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.draft_pool is not None:
             self.draft_pool.release(rid)
         self._plans.pop(rid, None)
+        if self.lookup is not None:
+            self.lookup.forget(rid)
         if hasattr(self, "_capture"):
             self._capture.forget(rid)
         handle = self._requests.pop(rid, None)

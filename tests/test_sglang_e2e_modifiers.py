@@ -1,0 +1,108 @@
+"""The drafting modifiers in real SGLang servers: ``+refresh`` (rows re-chosen at every
+verification from the verify pass's own queries over the full KV in SGLang's pool) and ``+lookup``
+(prompt-lookup chains checked in one TARGET_VERIFY pass over the private pool), held token for
+token to stock SGLang: single and concurrent requests, a copy-heavy prompt, a JSON schema in the
+batch (drafted one token per pass beside the lookup windows), a shared document (the prefix-copy
+path), seeded sampling against the project's full-KV sampling. The server's ``/metrics`` show
+the refreshes and the lookup drafts happened, and fewer draft passes than drafts."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from conftest import SGLANG_TEST_FLAGS
+from sglang_e2e import compare_answers, prompt
+
+from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, ask, ask_all
+
+pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
+
+MODIFIERS = {"compressor": "snapkv:ratio=0.0625+refresh:ratio=0.0625,span=4+lookup", "horizon": 8,
+             "full_kv": "device"}
+COPY = "Repeat the following code exactly, then stop.\n\n"
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def refreshing(sglang_logs):
+    server = SGLangServer(sglang_logs, "vericache-modifiers", *SGLANG_TEST_FLAGS, vericache=MODIFIERS)
+    yield server
+    server.stop()
+
+
+def _same(stock, server, questions, exactness, name):
+    expected, got = ask_all(stock, questions), ask_all(server, questions)
+    for q, ref, out in zip(questions, expected, got, strict=True):
+        cmp = compare_answers(ref, out)
+        exactness(f"sglang {name} {q.label()}", cmp)
+        assert cmp["identical"], (name, q.label(), ref.text, out.text)
+    return expected, got
+
+
+def test_refresh_and_lookup_answer_as_stock_alone_and_in_a_batch(stock_server, refreshing, exactness):
+    before = refreshing.metrics()
+    _same(stock_server, refreshing, [Ask(prompt("prose"), "completion", params={"logprobs": 1}),
+                                     Ask(prompt("code"), "chat", stream=True, max_tokens=48),
+                                     Ask(COPY + prompt("code", 400), "chat", max_tokens=96)],
+          exactness, "refresh+lookup")
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    _, got = _same(stock_server, refreshing, [
+        Ask(prompt("tools", 1200), "chat", max_tokens=40),
+        Ask("Describe Ada Lovelace as a JSON object with her name and age.", "chat", max_tokens=64,
+            params={"response_format": schema}),
+        Ask("def quicksort(arr):", "completion", max_tokens=56, params={"stop": ["\ndef "]}),
+        Ask("The capital of France is", "completion", max_tokens=30, params={"stop": ["."]}),
+        Ask(prompt("prose", 1400), "completion", max_tokens=32),
+        Ask(COPY + prompt("code", 300), "completion", max_tokens=64),
+    ], exactness, "refresh+lookup batch")
+    jsonschema.validate(json.loads(got[1].text), PERSON)
+    after = refreshing.metrics()
+
+    def grown(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    assert 0 < grown("vericache_refreshes_total") <= grown("vericache_verify_passes_total")  # one per verification
+    assert grown("vericache_lookup_drafted_tokens_total") > 0
+    # lookup chains are checked in one pass each: fewer passes than drafts (a pass serves the batch)
+    assert grown("vericache_draft_passes_total") < grown("vericache_drafted_tokens_total")
+    assert accepted_length(after, before) > 1.5
+    exactness("sglang refresh+lookup: this test's 9 answers, from /metrics", {
+        "identical": True, "compared_tokens": int(grown("vericache_generated_tokens_total")),
+        "accepted_length": accepted_length(after, before), "verifications": grown("vericache_verify_passes_total"),
+        "drafted": grown("vericache_drafted_tokens_total"),
+        "lookup_drafted": grown("vericache_lookup_drafted_tokens_total"),
+        "draft_passes": grown("vericache_draft_passes_total"), "refreshes": grown("vericache_refreshes_total")})
+
+
+def test_refresh_over_a_shared_documents_compressed_copy(stock_server, refreshing, exactness):
+    """The prefix-copy path: the copy made for the first question is cloned for the next, their
+    own tokens folded in, and its rows refreshed by their verifications; the copy in the tree is
+    the document's, so each question's answer is stock's."""
+    document = prompt("prose", 1200)
+    before = refreshing.metrics()
+    for i, text in enumerate(["What is a block?", "What does the global statement change?",
+                              "How is a name resolved?"]):
+        q = Ask(text, "chat", max_tokens=32, system=document)
+        cmp = compare_answers(ask(stock_server, q), ask(refreshing, q))
+        exactness(f"sglang refresh+lookup radix prefix, question {i + 1}", cmp)
+        assert cmp["identical"], cmp
+    after = refreshing.metrics()
+    assert after["vericache_prefix_copy_hits_total"] - before.get("vericache_prefix_copy_hits_total", 0) >= 1
+
+
+def test_refresh_with_seeded_sampling_is_full_kv_sampling(refreshing, real_engine, exactness):
+    from vericache_sglang.core.sampling import SamplingParams
+
+    text = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    tokens = real_engine.encode(text)
+    ref = real_engine.generate(real_engine.prefill(tokens, reuse_prefix=False), "full", cfg=real_engine.config(
+        max_new_tokens=48, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=11)))
+    out = refreshing.generate(tokens, {"max_new_tokens": 48, "temperature": 0.8, "top_p": 0.95, "sampling_seed": 11})
+    got = [t for t in out["output_ids"] if t not in real_engine.eos_token_ids]
+    want = [t for t in ref.tokens if t not in real_engine.eos_token_ids]
+    exactness("sglang refresh+lookup seeded sampling vs engine full-KV sampling",
+              {"identical": got == want, "compared_tokens": len(want)})
+    assert got == want
