@@ -63,6 +63,25 @@ def window_cost(stats: dict, cost: dict) -> float:
     return sum(stats["committed"]) / time_units if time_units else 0.0
 
 
+def live_check(engine, pre, reference, traj, spec: str, x: int, new_tokens: int) -> dict:
+    """Live VeriCache against the replay estimate, on the prefill ``pre`` whose full-KV decoding of
+    ``new_tokens`` is ``reference`` (trajectory ``traj``): accepted lengths, forwards, lookup
+    drafts, and the output's identity with full-KV decoding."""
+    from vericache_sglang.bench.acceptance import replay
+    from vericache_sglang.core.compress import parse_spec
+    from vericache_sglang.engine.engine import compare
+
+    est = replay(engine.runner, pre, traj, parse_spec(spec), x)
+    res = engine.generate(pre, "vericache", spec, engine.config(max_new_tokens=new_tokens, horizon=x,
+                                                                keep_logits=True))
+    cmp = compare(reference, res)
+    return {"spec": spec, "horizon": x, "live_mean_accepted_length": res.stats.mean_accepted_length,
+            "estimated_mean_accepted_length": est["mean_accepted_length"],
+            "live_forwards": res.stats.decode_steps, "estimated_forwards": sum(est["forwards"]),
+            "live_lookup_drafted": res.stats.lookup_drafted, "compressed_kv_bytes": est["compressed_kv_bytes"],
+            "identical": cmp["identical"], "max_logit_diff": cmp["max_logit_abs_diff"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -151,20 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"long {spec}: " + " ".join(f"{k}:{v:.1f}" for k, v in out["long"][-1]["per_window"].items()))
     for kind, spec, x in cfg["live_checks"]:
         pre, reference, traj = trajs[kind]
-        est = replay(runner, pre, traj, parse_spec(spec), x)
-        res = engine.generate(pre, "vericache", spec, engine.config(max_new_tokens=cfg["new_tokens"], horizon=x,
-                                                                    keep_logits=True))
-        from vericache_sglang.engine.engine import compare
-
-        cmp = compare(reference, res)
-        out["live_checks"].append({"prompt": kind, "spec": spec, "horizon": x,
-                                   "live_mean_accepted_length": res.stats.mean_accepted_length,
-                                   "estimated_mean_accepted_length": est["mean_accepted_length"],
-                                   "live_forwards": res.stats.decode_steps, "estimated_forwards": sum(est["forwards"]),
-                                   "live_lookup_drafted": res.stats.lookup_drafted,
-                                   "identical": cmp["identical"], "max_logit_diff": cmp["max_logit_abs_diff"]})
-        log(f"live {kind} {spec} x={x}: live {res.stats.mean_accepted_length:.2f} est "
-            f"{est['mean_accepted_length']:.2f} identical={cmp['identical']}")
+        out["live_checks"].append({"prompt": kind, **live_check(engine, pre, reference, traj, spec, x,
+                                                                       cfg["new_tokens"])})
+        row = out["live_checks"][-1]
+        log(f"live {kind} {spec} x={x}: live {row['live_mean_accepted_length']:.2f} est "
+            f"{row['estimated_mean_accepted_length']:.2f} identical={row['identical']}")
     out["seconds"] = time.monotonic() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "drafting.json").write_text(json.dumps(out, indent=1))

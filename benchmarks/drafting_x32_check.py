@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # drafting.py's live check
 
 from vericache_sglang.bench.common import PROMPTS, RESULTS
 
@@ -25,35 +25,29 @@ FIXED = "kvzip:ratio=0.03125+refresh:ratio=0.09375,span=16"
 
 def main() -> int:
     import torch
+    from drafting import live_check
 
     from vericache_sglang.bench.acceptance import Trajectory, replay
     from vericache_sglang.core.compress import parse_spec
-    from vericache_sglang.engine.engine import Engine, compare
+    from vericache_sglang.engine.engine import Engine
 
     torch.set_num_threads(2)
     engine = Engine("smollm2")
-    runner, rows = engine.runner, []
+    rows = []
     for kind in ("code", "prose", "tools"):
         pre = engine.prefill(engine.encode((PROMPTS / f"{kind}.txt").read_text()), reuse_prefix=False)
         for n in (256, 512):
             ref = engine.generate(pre, "full", cfg=engine.config(max_new_tokens=n, keep_logits=True))
-            traj = Trajectory.of(runner, pre, ref)
+            traj = Trajectory.of(engine.runner, pre, ref)
             if n == 256:
                 for x in (16, 32):
-                    t = time.monotonic()
-                    est = replay(runner, pre, traj, parse_spec(SWEPT), x)
-                    res = engine.generate(pre, "vericache", SWEPT,
-                                          engine.config(max_new_tokens=n, horizon=x, keep_logits=True))
-                    cmp = compare(ref, res)
-                    rows.append({"prompt": kind, "n": n, "x": x, "spec": SWEPT, "live": res.stats.mean_accepted_length,
-                                 "replay": est["mean_accepted_length"], "bytes": est.get("compressed_kv_bytes"),
-                                 "identical": cmp["identical"], "max_logit_diff": cmp["max_logit_abs_diff"],
-                                 "s": time.monotonic() - t})
+                    rows.append({"prompt": kind, "n": n, **live_check(engine, pre, ref, traj, SWEPT, x, n)})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             else:
                 for spec in (SWEPT, FIXED):
-                    rows.append({"prompt": kind, "n": n, "x": 32, "spec": spec,
-                                 "replay": replay(runner, pre, traj, parse_spec(spec), 32)["mean_accepted_length"]})
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                    rows.append({"prompt": kind, "n": n, "spec": spec, "horizon": 32, "estimated_mean_accepted_length":
+                                 replay(engine.runner, pre, traj, parse_spec(spec), 32)["mean_accepted_length"]})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     (RESULTS / "drafting_x32_sweep_check.json").write_text(json.dumps(rows, indent=1))
     return 0
 

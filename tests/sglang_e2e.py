@@ -8,7 +8,19 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vericache_sglang.bench.sglang_server import Answer, document_prompt, tokenizer
+from vericache_sglang.bench.sglang_server import Answer, Ask, ask_all, document_prompt, tokenizer
+
+
+def same_as_stock(stock: Any, server: Any, questions: list[Ask], exactness: Any,
+                  name: str) -> tuple[list[Answer], list[Answer]]:
+    """Ask ``stock`` and ``server`` the same ``questions`` (each a batch); every answer must be
+    stock's, each recorded in ``exactness``. Returns both servers' answers."""
+    expected, got = ask_all(stock, questions), ask_all(server, questions)
+    for q, ref, out in zip(questions, expected, got, strict=True):
+        cmp = compare_answers(ref, out)
+        exactness(f"sglang {name} {q.label()}", cmp)
+        assert cmp["identical"], (name, q.label(), ref.text, out.text)
+    return expected, got
 
 
 def compare_answers(reference: Answer, answer: Answer) -> dict[str, Any]:

@@ -13,9 +13,9 @@ import json
 import jsonschema
 import pytest
 from conftest import SGLANG_TEST_FLAGS
-from sglang_e2e import compare_answers, prompt
+from sglang_e2e import compare_answers, prompt, same_as_stock
 
-from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, ask, ask_all
+from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, ask, ask_all, metric_growth
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
@@ -27,16 +27,6 @@ def vericache(sglang_logs):
     server = SGLangServer(sglang_logs, "vericache-snapkv", *SGLANG_TEST_FLAGS, vericache=SNAPKV)
     yield server
     server.stop()
-
-
-def _same(stock, vericache, questions, exactness, name):
-    expected = ask_all(stock, questions)
-    got = ask_all(vericache, questions)
-    for q, ref, out in zip(questions, expected, got, strict=True):
-        cmp = compare_answers(ref, out)
-        exactness(f"sglang {name} {q.label()}", cmp)
-        assert cmp["identical"], (q.label(), ref.text, out.text)
-    return expected, got
 
 
 def test_stock_sglang_decodes_as_the_projects_full_kv_decoding(stock_server, real_engine, exactness):
@@ -64,7 +54,7 @@ def test_completions_and_chat_streamed_and_not_are_stocks_output(stock_server, v
         Ask(prompt("tools"), "chat", params={"logprobs": True}),
         Ask(prompt("prose"), "chat", stream=True),
     ]
-    _, got = _same(stock_server, vericache, questions, exactness, "snapkv")
+    _, got = same_as_stock(stock_server, vericache, questions, exactness, "snapkv")
     assert all(len(a.text) > 0 for a in got)
     assert sum(a.finish_reason == "length" for a in got) >= 2  # at least two ran the full 64 tokens
     assert accepted_length(vericache.metrics()) > 2
@@ -81,7 +71,7 @@ def test_eight_concurrent_requests_some_stopping_early(stock_server, vericache, 
         Ask(prompt("prose", 1400), "completion", max_tokens=32),
         Ask("Say hello.", "chat", max_tokens=64),
     ]
-    expected, _ = _same(stock_server, vericache, questions, exactness, "concurrent")
+    expected, _ = same_as_stock(stock_server, vericache, questions, exactness, "concurrent")
     early = [a for q, a in zip(questions, expected, strict=True) if a.finish_reason == "stop"]
     assert len(early) >= 2  # stop strings and EOS ended some before their budget
 
@@ -104,8 +94,8 @@ def test_a_shared_document_prefix_is_cached_and_drafted_from_its_compressed_copy
         if i > 0:
             assert ref.cached_tokens >= 1100 and out.cached_tokens >= 1100 - 64, (ref.cached_tokens, out.cached_tokens)
     after = vericache.metrics()
-    assert after["vericache_prefix_copies_made_total"] - before.get("vericache_prefix_copies_made_total", 0) == 1
-    assert after["vericache_prefix_copy_hits_total"] - before.get("vericache_prefix_copy_hits_total", 0) >= 1
+    assert metric_growth(after, before, "vericache_prefix_copies_made_total") == 1
+    assert metric_growth(after, before, "vericache_prefix_copy_hits_total") >= 1
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -124,7 +114,7 @@ def test_a_json_schema_and_a_frequency_penalty_in_a_batch_with_plain_requests(st
         Ask(prompt("code"), "chat", max_tokens=32),
     ]
     before = vericache.metrics()
-    _, got = _same(stock_server, vericache, questions, exactness, "grammar+penalty batch")
+    _, got = same_as_stock(stock_server, vericache, questions, exactness, "grammar+penalty batch")
     assert got[0].finish_reason == "stop", got[0].text  # the grammar completed, not the budget
     jsonschema.validate(json.loads(got[0].text), PERSON)
     assert vericache.metrics()["vericache_verify_passes_total"] > before["vericache_verify_passes_total"]

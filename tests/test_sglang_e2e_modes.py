@@ -6,9 +6,9 @@ whole matrix and the host mode's memory saving are in the slow set."""
 from __future__ import annotations
 
 import pytest
-from sglang_e2e import compare_answers, prompt
+from sglang_e2e import compare_answers, prompt, same_as_stock
 
-from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, ask_all, run_load
+from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, run_load
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
@@ -31,12 +31,7 @@ def _questions() -> list[Ask]:
 
 
 def _check_identical(stock, server, exactness, name):
-    questions = _questions()
-    expected, got = ask_all(stock, questions), ask_all(server, questions)
-    for q, ref, out in zip(questions, expected, got, strict=True):
-        cmp = compare_answers(ref, out)
-        exactness(f"sglang {name} {q.label()}", cmp)
-        assert cmp["identical"], (name, q.label(), ref.text, out.text)
+    same_as_stock(stock, server, _questions(), exactness, name)
     assert accepted_length(server.metrics()) > 1.5
 
 

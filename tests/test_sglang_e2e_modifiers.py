@@ -9,13 +9,14 @@ the refreshes and the lookup drafts happened, and fewer draft passes than drafts
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import jsonschema
 import pytest
 from conftest import SGLANG_TEST_FLAGS
-from sglang_e2e import compare_answers, prompt
+from sglang_e2e import compare_answers, prompt, same_as_stock
 
-from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, ask, ask_all
+from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, ask, ask_all, metric_growth
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
@@ -33,23 +34,14 @@ def refreshing(sglang_logs):
     server.stop()
 
 
-def _same(stock, server, questions, exactness, name):
-    expected, got = ask_all(stock, questions), ask_all(server, questions)
-    for q, ref, out in zip(questions, expected, got, strict=True):
-        cmp = compare_answers(ref, out)
-        exactness(f"sglang {name} {q.label()}", cmp)
-        assert cmp["identical"], (name, q.label(), ref.text, out.text)
-    return expected, got
-
-
 def test_refresh_and_lookup_answer_as_stock_alone_and_in_a_batch(stock_server, refreshing, exactness):
     before = refreshing.metrics()
-    _same(stock_server, refreshing, [Ask(prompt("prose"), "completion", params={"logprobs": 1}),
-                                     Ask(prompt("code"), "chat", stream=True, max_tokens=48),
-                                     Ask(COPY + prompt("code", 400), "chat", max_tokens=96)],
-          exactness, "refresh+lookup")
+    same_as_stock(stock_server, refreshing, [Ask(prompt("prose"), "completion", params={"logprobs": 1}),
+                                             Ask(prompt("code"), "chat", stream=True, max_tokens=48),
+                                             Ask(COPY + prompt("code", 400), "chat", max_tokens=96)],
+                  exactness, "refresh+lookup")
     schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    _, got = _same(stock_server, refreshing, [
+    _, got = same_as_stock(stock_server, refreshing, [
         Ask(prompt("tools", 1200), "chat", max_tokens=40),
         Ask("Describe Ada Lovelace as a JSON object with her name and age.", "chat", max_tokens=64,
             params={"response_format": schema}),
@@ -61,8 +53,7 @@ def test_refresh_and_lookup_answer_as_stock_alone_and_in_a_batch(stock_server, r
     jsonschema.validate(json.loads(got[1].text), PERSON)
     after = refreshing.metrics()
 
-    def grown(name: str) -> float:
-        return after[name] - before.get(name, 0)
+    grown = partial(metric_growth, after, before)
 
     assert 0 < grown("vericache_refreshes_total") <= grown("vericache_verify_passes_total")  # one per verification
     assert grown("vericache_lookup_drafted_tokens_total") > 0
@@ -90,7 +81,7 @@ def test_refresh_over_a_shared_documents_compressed_copy(stock_server, refreshin
         assert cmp["identical"], cmp
     after = refreshing.metrics()
     # the second question matched the cached document: its copy was made, cloned into its row
-    assert after["vericache_prefix_copies_made_total"] - before.get("vericache_prefix_copies_made_total", 0) == 1
+    assert metric_growth(after, before, "vericache_prefix_copies_made_total") == 1
 
 
 @pytest.mark.slow
@@ -121,9 +112,9 @@ def test_modifiers_under_rejection_sampling_with_the_store(stock_server, sglang_
     server = SGLangServer(sglang_logs, "vericache-modifiers-rejection", *SGLANG_TEST_FLAGS,
                           vericache={**MODIFIERS, "verification": "rejection", "full_kv": "store"})
     try:
-        _same(stock_server, server, [Ask(COPY + prompt("code", 300), "completion", max_tokens=64),
-                                     Ask(prompt("prose"), "chat", max_tokens=32)],
-              exactness, "refresh+lookup rejection")
+        same_as_stock(stock_server, server, [Ask(COPY + prompt("code", 300), "completion", max_tokens=64),
+                                             Ask(prompt("prose"), "chat", max_tokens=32)],
+                      exactness, "refresh+lookup rejection")
         sampled = Ask(COPY + prompt("code", 300), "chat", max_tokens=48,
                       params={"temperature": 0.7, "top_p": 0.95, "seed": 5})
         batched = ask_all(server, [sampled, Ask(prompt("tools"), "completion", max_tokens=24,

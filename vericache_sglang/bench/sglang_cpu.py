@@ -20,10 +20,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 from vericache_sglang.bench.common import REPO, load_config, table
-from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, document_prompt, run_load
+from vericache_sglang.bench.sglang_server import (
+    Ask,
+    SGLangServer,
+    accepted_length,
+    document_prompt,
+    metric_growth,
+    run_load,
+)
 
 
 def _loads(cfg: dict) -> dict[str, list[Ask]]:
@@ -56,10 +64,7 @@ def _measure(server: SGLangServer, loads: dict[str, list[Ask]], reference: dict 
                "mean_accepted_length": None, "draft_passes_per_step": None, "lookup_share": None}
         if name != "stock":
             after = server.metrics()
-
-            def grown(metric: str, after: dict = after, before: dict = before) -> float:
-                return after.get(metric, 0.0) - before.get(metric, 0.0)
-
+            grown = partial(metric_growth, after, before)
             steps, drafted = grown("vericache_step_seconds_count"), grown("vericache_drafted_tokens_total")
             row.update(mean_accepted_length=accepted_length(after, before),
                        draft_passes_per_step=grown("vericache_draft_passes_total") / steps if steps else None,

@@ -248,12 +248,16 @@ def run_load(server: SGLangServer, questions: list[Ask], poll_s: float = 0.2) ->
     return Load(answers, seconds, peak[0])
 
 
+def metric_growth(metrics: dict[str, float], before: dict[str, float] | None, name: str) -> float:
+    """How much ``/metrics`` sample ``name`` grew since ``before`` (a series not yet exported counts as 0)."""
+    return metrics.get(name, 0.0) - (before or {}).get(name, 0.0)
+
+
 def accepted_length(metrics: dict[str, float], before: dict[str, float] | None = None) -> float:
     """Tokens committed per verification over a VeriCache server's drafting requests (its
     ``/metrics``, since ``before`` when given)."""
-    before = before or {}
-    total = metrics["vericache_accepted_length_sum"] - before.get("vericache_accepted_length_sum", 0.0)
-    count = metrics["vericache_accepted_length_count"] - before.get("vericache_accepted_length_count", 0.0)
+    total = metric_growth(metrics, before, "vericache_accepted_length_sum")
+    count = metric_growth(metrics, before, "vericache_accepted_length_count")
     return total / count if count else 0.0
 
 

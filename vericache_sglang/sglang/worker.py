@@ -443,7 +443,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 refresh = None
                 if captured_width:
                     parts = PoolParts(pool, req_to_token[req.kv.req_pool_idx, :end], self.layout.num_layers)
-                    refresh = (parts, [q.float() for q in self._capture.rows(i * captured_width, n)])
+                    refresh = (parts, self._capture.rows(i * captured_width, n))  # refresh scores in float32
                     self._count("refreshes")
                 self.draft_pool.commit(req.rid, full, pos, refresh)
             if self.lookup is not None:
