@@ -10,6 +10,14 @@ from typing import Any
 
 from vericache_sglang.bench.sglang_server import Answer, Ask, ask_all, document_prompt, tokenizer
 
+# the drafting modifiers as the e2e tests run them (small budgets: a 1,000-token prompt keeps 64 rows)
+MODIFIERS = {"compressor": "snapkv:ratio=0.0625+refresh:ratio=0.0625,span=4+lookup", "horizon": 8,
+             "full_kv": "device"}
+COPY = "Repeat the following code exactly, then stop.\n\n"  # a copy-heavy prompt's opening
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
 
 def same_as_stock(stock: Any, server: Any, questions: list[Ask], exactness: Any,
                   name: str) -> tuple[list[Answer], list[Answer]]:

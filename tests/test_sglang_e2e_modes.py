@@ -1,12 +1,14 @@
 """Where the full KV lives, end to end in real SGLang servers: ``full_kv`` "store" (our gRPC store,
 Redis) and "host" (SGLang's host pool, reloaded per layer for each verification), with both
-SGLang-path compressors; every answer is stock SGLang's. CI runs one compressor per mode; the
-whole matrix and the host mode's memory saving are in the slow set."""
+SGLang-path compressors and, on the host, with the drafting modifiers; every answer is stock
+SGLang's. CI runs one compressor per mode and the modifiers on the host; the whole matrix and the
+host mode's memory saving are in the slow set."""
 
 from __future__ import annotations
 
 import pytest
-from sglang_e2e import compare_answers, prompt, same_as_stock
+from conftest import SGLANG_TEST_FLAGS
+from sglang_e2e import COPY, MODIFIERS, PERSON_FORMAT, compare_answers, prompt, same_as_stock
 
 from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, run_load
 
@@ -63,6 +65,30 @@ def test_each_full_kv_place_answers_as_stock(request, stock_server, sglang_logs,
     try:
         _check_identical(stock_server, server, exactness, name)
         _mode_evidence(server, full_kv)
+    finally:
+        server.stop()
+
+
+def test_modifiers_with_the_full_kv_on_the_host(stock_server, sglang_logs, exactness):
+    """The drafting modifiers (``+refresh``, ``+lookup``) with ``full_kv: "host"``: each request's
+    KV leaves the device after every verification and is reloaded for the next; refresh reads it
+    while the reload is lent to the verify pass, lookup's passes are the reload plan's iterations.
+    Answers are stock's (a JSON schema among them), and the reloads, refreshes and lookup drafts
+    happened."""
+    server = SGLangServer(sglang_logs, "vericache-modifiers-host", *SGLANG_TEST_FLAGS,
+                          vericache={**MODIFIERS, **_config(MODIFIERS["compressor"], "host")})
+    try:
+        same_as_stock(stock_server, server, [
+            Ask(prompt("prose"), "completion", params={"logprobs": 1}),
+            Ask(COPY + prompt("code", 400), "chat", max_tokens=64),
+            Ask("Describe Ada Lovelace as a JSON object with her name and age.", "chat", max_tokens=48,
+                params={"response_format": PERSON_FORMAT}),
+        ], exactness, "refresh+lookup host")
+        _mode_evidence(server, "host")  # written to the host pool, reloaded for verifications
+        m = server.metrics()
+        assert 0 < m["vericache_refreshes_total"] <= m["vericache_verify_passes_total"]
+        assert m["vericache_lookup_drafted_tokens_total"] > 0
+        assert accepted_length(m) > 1.5
     finally:
         server.stop()
 

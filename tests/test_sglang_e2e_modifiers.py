@@ -2,9 +2,10 @@
 verification from the verify pass's own queries over the full KV in SGLang's pool) and ``+lookup``
 (prompt-lookup chains checked in one TARGET_VERIFY pass over the private pool), held token for
 token to stock SGLang: single and concurrent requests, a copy-heavy prompt, a JSON schema in the
-batch (drafted one token per pass beside the lookup windows), a shared document (the prefix-copy
-path), seeded sampling against the project's full-KV sampling. The server's ``/metrics`` show
-the refreshes and the lookup drafts happened, and fewer draft passes than drafts."""
+batch and alone with a copyable object (lookup chains under the grammar), a shared document (the
+prefix-copy path), seeded sampling against the project's full-KV sampling (with the full KV on
+the host: ``tests/test_sglang_e2e_modes.py``). The server's ``/metrics`` show the refreshes and
+the lookup drafts happened, and fewer draft passes than drafts."""
 
 from __future__ import annotations
 
@@ -14,17 +15,12 @@ from functools import partial
 import jsonschema
 import pytest
 from conftest import SGLANG_TEST_FLAGS
-from sglang_e2e import compare_answers, prompt, same_as_stock
+from sglang_e2e import COPY, MODIFIERS, PERSON, PERSON_FORMAT, compare_answers, prompt, same_as_stock
 
 from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, ask, ask_all, metric_growth
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
-MODIFIERS = {"compressor": "snapkv:ratio=0.0625+refresh:ratio=0.0625,span=4+lookup", "horizon": 8,
-             "full_kv": "device"}
-COPY = "Repeat the following code exactly, then stop.\n\n"
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +36,10 @@ def test_refresh_and_lookup_answer_as_stock_alone_and_in_a_batch(stock_server, r
                                              Ask(prompt("code"), "chat", stream=True, max_tokens=48),
                                              Ask(COPY + prompt("code", 400), "chat", max_tokens=96)],
                   exactness, "refresh+lookup")
-    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     _, got = same_as_stock(stock_server, refreshing, [
         Ask(prompt("tools", 1200), "chat", max_tokens=40),
         Ask("Describe Ada Lovelace as a JSON object with her name and age.", "chat", max_tokens=64,
-            params={"response_format": schema}),
+            params={"response_format": PERSON_FORMAT}),
         Ask("def quicksort(arr):", "completion", max_tokens=56, params={"stop": ["\ndef "]}),
         Ask("The capital of France is", "completion", max_tokens=30, params={"stop": ["."]}),
         Ask(prompt("prose", 1400), "completion", max_tokens=32),
@@ -66,6 +61,19 @@ def test_refresh_and_lookup_answer_as_stock_alone_and_in_a_batch(stock_server, r
         "drafted": grown("vericache_drafted_tokens_total"),
         "lookup_drafted": grown("vericache_lookup_drafted_tokens_total"),
         "draft_passes": grown("vericache_draft_passes_total"), "refreshes": grown("vericache_refreshes_total")})
+
+
+def test_lookup_chains_under_a_json_schema(stock_server, refreshing, exactness):
+    """The object to write is in the prompt, with a property the schema forbids: the lookup window
+    walks the grammar (chains stop before a forbidden token) and the answer is stock's."""
+    text = ('Here is a record: {"name": "Ada Lovelace", "age": 36, "city": "London"}\n'
+            "Write it as a JSON object with only her name and age.")
+    before = refreshing.metrics()
+    _, got = same_as_stock(stock_server, refreshing, [Ask(text, "chat", max_tokens=48,
+                                                          params={"response_format": PERSON_FORMAT})],
+                           exactness, "refresh+lookup json schema, lookup under the grammar")
+    assert json.loads(got[0].text) == {"name": "Ada Lovelace", "age": 36}, got[0].text
+    assert metric_growth(refreshing.metrics(), before, "vericache_lookup_drafted_tokens_total") > 0
 
 
 def test_refresh_over_a_shared_documents_compressed_copy(stock_server, refreshing, exactness):

@@ -100,18 +100,11 @@ class VeriCacheConfig:
         if self.full_kv not in FULL_KV_PLACES:
             raise VeriCacheConfigError(
                 f"vericache-config full_kv must be one of {', '.join(FULL_KV_PLACES)}, got {self.full_kv!r}")
-        if compressor.refreshes and self.full_kv == "host":
-            # Refresh reads the request's full KV right after its verification; with full_kv=host
-            # that KV is only lent to the verify pass and goes back to the host before the commit.
-            raise VeriCacheConfigError(
-                f"vericache-config compressor {compressor.spec!r}: +refresh needs the full KV on the device at "
-                "commit time; use full_kv device or store")
-        if compressor.lookup is not None and (self.full_kv == "host" or not compressor.lookup.model):
-            # Host mode plans its reloads across a fixed number of draft passes (one per draft);
-            # lookup alone drafts with no pass at all over a compressed KV the worker still keeps.
+        if compressor.lookup is not None and not compressor.lookup.model:
+            # lookup alone drafts with no pass at all over a compressed KV the worker still keeps
             raise VeriCacheConfigError(
                 f"vericache-config compressor {compressor.spec!r}: the SGLang worker runs +lookup composed with "
-                "compressed-KV drafts (model=True) and the full KV on the device or in the store")
+                "compressed-KV drafts (model=True)")
         if self.verification not in VERIFICATION_POLICIES:
             raise VeriCacheConfigError(
                 f"vericache-config verification must be one of {', '.join(VERIFICATION_POLICIES)}, "

@@ -9,6 +9,10 @@ advances it over the tokens this step commits), and verification applies the sam
 full-KV logits at the same positions: what VeriCache commits is what full-KV constrained decoding
 chooses, token for token. Once the matcher terminates (the grammar is complete) the chain's later
 positions are left unmasked: SGLang's scheduler ends the request there and drops what follows.
+
+A lookup window (``+lookup``) walks the grammar itself, through ``WindowGrammar`` (the core
+``DraftWindow``'s grammar over SGLang's object): it records each draft's mask and rolls back the
+chains the model cuts; ``ChainMasks.adopt`` then takes the window's masks for verification.
 """
 
 from __future__ import annotations
@@ -68,9 +72,62 @@ class ChainMasks:
                 grammar.rollback(self.advanced[i])
             self.advanced[i] = 0
 
+    def adopt(self, i: int, window: Any) -> None:
+        """Batch index ``i`` drafted in a lookup ``window`` walking its grammar (a ``WindowGrammar``):
+        its drafts' masks, then the bonus position's (the state after them), are the verification's;
+        the walk is undone by ``restore`` like a chain's."""
+        masks = list(window.draft_masks)
+        if not window.grammar_halted and not self.grammars[i].is_terminated():
+            masks.append(window.grammar.mask())
+        for j, mask in enumerate(masks):
+            self.masks[i][j : j + 1] = mask
+        self.filled[i], self.advanced[i] = len(masks), window.grammar_walked
+
+    def apply_chain(self, i: int, logits: torch.Tensor) -> None:
+        """Mask batch index ``i``'s verification logits ``[width, vocab]`` where it has masks, in place."""
+        n = self.filled.get(i, 0)
+        if n:
+            self.grammars[i].apply_vocab_mask(logits[:n], self.masks[i][:n].to(logits.device))
+
     def apply_chains(self, logits: torch.Tensor) -> None:
         """Mask the verification logits ``[bs, width, vocab]`` at every position that has a mask."""
         for i in self.grammars:
-            n = self.filled[i]
-            if n:
-                self.grammars[i].apply_vocab_mask(logits[i, :n], self.masks[i][:n].to(logits.device))
+            self.apply_chain(i, logits[i])
+
+
+class WindowGrammar:
+    """SGLang's grammar object as the core ``DraftWindow``'s ``Grammar``: masks as xgrammar
+    bitmasks ``[1, words]``; a terminated grammar masks nothing (as ``ChainMasks`` leaves it)."""
+
+    def __init__(self, grammar: Any, vocab: int, device: Any):
+        self.grammar, self.vocab, self.device = grammar, vocab, device
+
+    def mask(self) -> torch.Tensor:
+        mask = self.grammar.allocate_vocab_mask(self.vocab, 1, self.device)
+        if self.grammar.is_terminated():
+            return mask.fill_(-1)  # every bit set
+        self.grammar.fill_vocab_mask(mask, 0)
+        return mask
+
+    @staticmethod
+    def allows(token: int, mask: torch.Tensor) -> bool:
+        return bool((int(mask[0, token // 32]) >> (token % 32)) & 1)
+
+    def apply(self, logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        out = logits.float().clone()
+        mask = self.mask() if mask is None else mask
+        self.grammar.apply_vocab_mask(out, mask.expand(out.shape[0], -1).contiguous().to(out.device))
+        return out
+
+    def advance(self, token: int) -> bool:
+        if self.grammar.is_terminated():
+            return False
+        try:
+            self.grammar.accept_token(int(token))
+        except ValueError:
+            return False
+        return True
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.grammar.rollback(n)

@@ -137,10 +137,14 @@ class HostOffload:
         held = self.ledger.held(rid)
         return held is not None and held[1] > held[0]
 
-    def verify(self, reqs: list[Any], verify: Callable[[torch.Tensor], torch.Tensor], width: int) -> torch.Tensor:
+    def verify(self, reqs: list[Any], verify: Callable[[torch.Tensor], torch.Tensor], width: int,
+               lent: Callable[[list[int], torch.Tensor], None] | None = None) -> torch.Tensor:
         """Run ``verify(batch_indices) -> logits [len * width, vocab]`` over groups: first the
         requests with nothing offloaded, then each group the scheduler placed, its reloads lent to
-        its rows for the pass. Returns the logits of the whole batch, in batch order."""
+        its rows for the pass. Returns the logits of the whole batch, in batch order.
+
+        ``lent(batch_indices, logits)``: called after each group's pass, its reloads still lent
+        (``+refresh`` reads the requests' whole full KV then)."""
         if self._unplanned and self.reloads is not None:
             self._admit_unplanned()  # a step with no timed pass yet (horizon 0 never happens)
         index = {req.rid: i for i, req in enumerate(reqs)}
@@ -150,6 +154,8 @@ class HostOffload:
         def run(rows: list[int]) -> None:
             nonlocal out
             logits = verify(torch.tensor(rows, dtype=torch.int64))
+            if lent is not None:
+                lent(rows, logits)
             if out is None:
                 out = logits.new_empty(len(reqs) * width, logits.shape[-1])
             at = (torch.tensor(rows)[:, None] * width + torch.arange(width)[None]).reshape(-1).to(logits.device)

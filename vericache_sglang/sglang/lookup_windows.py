@@ -5,8 +5,9 @@ A pass feeds every unfinished window its pending tokens at its next scratch slot
 as a DECODE pass, or, where some window feeds a lookup chain, all of them as one TARGET_VERIFY pass
 over the private pool (``ForwardBuilder.chain``). Shorter pending lists are padded: a pad writes
 only its own request's later scratch slots, its logits are dropped, and causality keeps the real
-rows clean. A chain the model cuts is forgotten: the next pass overwrites its slots. Requests with
-a grammar draft one token per pass in the worker's own loop (lookup under a grammar: not built).
+rows clean. A chain the model cuts is forgotten: the next pass overwrites its slots. A request
+with a grammar walks it in its window (``WindowGrammar``): chains stop where the grammar forbids a
+token, and a cut chain's steps are rolled back.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from vericache_sglang.core.drafting import DraftWindow
 from vericache_sglang.core.lookup import LookupParams, NgramIndex
 from vericache_sglang.core.sampling import Sampler
+from vericache_sglang.sglang.grammar_masks import WindowGrammar
 
 
 class LookupWindows:
@@ -51,8 +53,10 @@ class LookupWindows:
         self.indexes.pop(rid, None)
 
     def draft(self, batch: Any, rows: list[int], seeds: torch.Tensor, committed: torch.Tensor,
-              samplers: list[Sampler]) -> tuple[list[DraftWindow], int]:
-        """Draft the windows of the requests at batch indices ``rows``; returns them and the passes run."""
+              samplers: list[Sampler], grammars: dict[int, Any]) -> tuple[list[DraftWindow], int]:
+        """Draft the windows of the requests at batch indices ``rows`` (``grammars``: batch index ->
+        SGLang's grammar object, walked along the drafts and left walked: the caller restores it);
+        returns the windows and the passes run."""
         reqs = [batch.reqs[i] for i in rows]
         private = torch.tensor([self.draft_pool.row_index(r.rid) for r in reqs], dtype=torch.int64,
                                device=self.device)
@@ -65,7 +69,7 @@ class LookupWindows:
 
         windows = [DraftWindow(self.horizon, int(committed[i]) + 1, [int(seeds[i])], samplers[i], self.rejection,
                                stop_ids(req), self.vocab_size, partial(forget, r), self.lookup,
-                               self.indexes[req.rid], device=self.device)
+                               self.indexes[req.rid], grammar=self._walk(grammars.get(i)), device=self.device)
                    for r, (i, req) in enumerate(zip(rows, reqs, strict=True))]
         passes = 0
         while active := [r for r, w in enumerate(windows) if w.drafting]:
@@ -91,6 +95,9 @@ class LookupWindows:
                 fed[r] += n  # before ``take``: a cut chain forgets from here
                 windows[r].take(logits[a, :n])
         return windows, passes
+
+    def _walk(self, grammar: Any) -> WindowGrammar | None:
+        return None if grammar is None else WindowGrammar(grammar, self.vocab_size, self.device)
 
 
 def stop_ids(req: Any) -> set[int]:

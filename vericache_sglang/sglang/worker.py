@@ -11,8 +11,8 @@ pool and plans the request (``request_plan``). A decode step, for every running 
    goes to scratch slots. A grammar masks each draft (``grammar_masks``). With ``+lookup`` each
    request's window is the core's ``DraftWindow`` (prompt-lookup chains over its committed tokens,
    checked by the model): a pass feeds each request its pending tokens, one (DECODE) or a chain
-   (TARGET_VERIFY over the private pool), until every window is full; requests with a grammar
-   draft as above, one token per pass.
+   (TARGET_VERIFY over the private pool), until every window is full; a window walks its
+   request's grammar (``WindowGrammar``).
 2. One verify pass over the target pool (``forward``: TARGET_VERIFY, in the representation the
    attention backend reads), writing the chain's exact K/V at the slots SGLang reserved. With
    ``full_kv=host`` (``host_offload``) the requests' own KV is off the device between
@@ -24,8 +24,9 @@ pool and plans the request (``request_plan``). A decode step, for every running 
    verified token per step, exactly a stock decode step's choice.
 4. The committed tokens' exact K/V (read back from the target pool) goes into the compressed KV
    through the compressor's ``update`` (with ``+refresh``, its refreshed rows re-chosen by the
-   verify pass's queries of those tokens over the request's full KV, still in the pool), to the
-   store (``full_kv=store``) and, with ``full_kv=host``, to the host tier, its device slots freed.
+   verify pass's queries of those tokens over the request's full KV, still in the pool; with
+   ``full_kv=host`` while its group's reload is lent), to the store (``full_kv=store``,
+   ``store_writes``) and, with ``full_kv=host``, to the host tier, its device slots freed.
    The correction or bonus token is the next seed (no K/V yet), as in SGLang's own spec-v2
    convention.
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Container
 from functools import partial
 from typing import Any
 
@@ -54,7 +56,6 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
-from remote_store import refused
 from vericache_sglang.core.accept import Verdict
 from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.core.sampling import Sampler
@@ -98,8 +99,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.draft_pool: CompressedDraftPool | None = None
         self.draft_backend: Any = None
         self.verify_backend: Any = None
-        self.store: Any = None
-        self._requests: dict[str, Any] = {}  # rid -> RequestKV in the full-KV store
+        self.store: Any = None  # RequestWrites when full_kv=store
         self._plans: dict[str, Plan] = {}  # rid -> how the request is served
         self.lookup: Any = None  # LookupWindows with +lookup
         self.host: Any = None  # HostOffload when full_kv=host
@@ -137,9 +137,11 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.cfg.full_kv == "store":
             from remote_store import connect_store
             from remote_store.fullkv import FullKVStore
+            from vericache_sglang.sglang.store_writes import RequestWrites
 
             # a store that cannot be used as configured fails the launch here, naming it and why
-            self.store = FullKVStore(connect_store(self.cfg.store), self.layout, namespace="sglang")
+            self.store = RequestWrites(FullKVStore(connect_store(self.cfg.store), self.layout, namespace="sglang"),
+                                       self.metrics)
         if self.cfg.full_kv == "host":
             from vericache_sglang.sglang.host_offload import HostOffload
 
@@ -166,7 +168,7 @@ class VeriCacheWorker(BaseSpecWorker):
             self.lookup = LookupWindows(
                 self.compressor.lookup, self.horizon, self.draft_pool, self.forwards,
                 runner.model_config.vocab_size, self.cfg.verification == "rejection", self.device,
-                self._draft_pass, self._chain_pass)
+                partial(self._timed, self._draft_pass), partial(self._timed, self._chain_pass))
         self._capture = QueryCapture(self.model_runner.model, self.model_runner.model_config.head_dim)
 
     def init_cuda_graphs(self) -> None:
@@ -217,12 +219,10 @@ class VeriCacheWorker(BaseSpecWorker):
                     row = torch.log_softmax(logits[i].float() / plan.sampler.params.temperature, dim=-1)
                     result.logits_output.next_token_logprobs[i] = row[token]
             full = self._admit(req, seq_len, ext)
-            if self.lookup is not None and req.grammar is None and self.draft_pool.has(req.rid):
+            if self.lookup is not None and self.draft_pool.has(req.rid):
                 self.lookup.admit(req.rid, [*req.origin_input_ids, *req.output_ids, int(next_ids[i])])
             if self.store is not None:
-                handle = self.store.open_request(list(req.origin_input_ids), request_id=req.rid)
-                if self._store_write(req.rid, handle, 0, full):
-                    self._requests[req.rid] = handle
+                self.store.open(req.rid, list(req.origin_input_ids), full)
             if self.host is not None:
                 self.host.offload(req, seq_len)
         self._capture.clear()
@@ -312,8 +312,7 @@ class VeriCacheWorker(BaseSpecWorker):
         tokens, drafts, probs = seeds[rows], [], []
         for j in range(self.horizon):
             fb = self.forwards.draft(batch, tokens, private, kept + j + 1, scratch[:, j], committed[rows] + j)
-            run = partial(self._draft_pass, fb)
-            logits = (run() if self.host is None else self.host.draft_pass(run)).float()
+            logits = self._timed(self._draft_pass, fb).float()
             masks.fill(j, rows)
             masks.apply(logits, j, rows)
             tokens, q = draws(logits, [samplers[i] for i in rows], [p + j + 1 for p in seed_positions], rejection)
@@ -325,6 +324,11 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.metrics is not None:
             self.metrics.draft_passes.inc(self.horizon)
         return torch.stack(drafts, dim=1), probs
+
+    def _timed(self, forward: Any, fb: Any) -> torch.Tensor:
+        """One draft pass, ``forward(fb)``: with ``full_kv=host`` an iteration of the reload plan."""
+        run = partial(forward, fb)
+        return run() if self.host is None else self.host.draft_pass(run)
 
     def _draft_pass(self, fb: Any) -> torch.Tensor:
         with self._using(self.draft_backend, fb):
@@ -361,10 +365,13 @@ class VeriCacheWorker(BaseSpecWorker):
             for r, i in enumerate(stepped):
                 counts[i], draft_q[i] = x, [probs[j][r] for j in range(x)]
         if windowed:
-            windows, passes = self.lookup.draft(batch, windowed, seeds, committed, samplers)
+            windows, passes = self.lookup.draft(batch, windowed, seeds, committed, samplers,
+                                                {i: grammars[i] for i in windowed if i in grammars})
             for i, window in zip(windowed, windows, strict=True):
                 counts[i], draft_q[i] = len(window.drafts), window.draft_probs
                 drafts[i, : counts[i]] = torch.tensor(window.drafts, dtype=torch.int64, device=self.device)
+                if window.grammar is not None:
+                    masks.adopt(i, window)
             if self.metrics is not None:
                 self.metrics.draft_passes.inc(passes)
                 self.metrics.lookup_drafted.inc(sum(w.sources.count("lookup") for w in windows))
@@ -382,23 +389,36 @@ class VeriCacheWorker(BaseSpecWorker):
                 out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
             return out.logits_output.next_token_logits
 
+        def decide(i: int, chain_logits: torch.Tensor) -> Verdict:
+            k = counts.get(i, 0)
+            return verdict(drafts[i, :k].tolist(), draft_q.get(i, []), chain_logits[: k + 1], int(committed[i]),
+                           samplers[i], self.cfg.verification == "rejection")
+
         refreshing = self.compressor.refreshes and bool(drafting)
+        folded: dict[int, Verdict] = {}  # full_kv=host: decided and folded in while the reload was lent
+
+        def fold_while_lent(rows: list[int], group: torch.Tensor) -> None:
+            """Refresh reads a request's whole full KV, which with ``full_kv=host`` is on the device
+            only while its reload is lent to the verify pass: decide and fold its rows then."""
+            group = group.view(len(rows), width, -1).float()
+            for r, i in enumerate(rows):
+                if i in counts:
+                    masks.apply_chain(i, group[r])
+                    folded[i] = v = decide(i, group[r])
+                    self._fold(reqs[i], int(committed[i]), slots[i, : v.accepted + 1],
+                               self._capture.rows(r * width, v.accepted + 1))
+
         with self._capture.capturing() if refreshing else contextlib.nullcontext():
-            flat = verify(torch.arange(bs)) if self.host is None else self.host.verify(reqs, verify, width)
+            flat = verify(torch.arange(bs)) if self.host is None else \
+                self.host.verify(reqs, verify, width, fold_while_lent if refreshing else None)
         logits = flat.view(bs, width, -1).float()
         masks.apply_chains(logits)
         own_ids, own = self._own_tokens(batch, flat.view(bs, width, -1)[:, 0], slots) if any(p.own for p in plans) \
             else (None, None)
-        verdicts = []
-        for i, plan in enumerate(plans):
-            if plan.own:
-                verdicts.append(Verdict(0, [int(own_ids[i])]))
-                continue
-            k = counts.get(i, 0)
-            verdicts.append(verdict(drafts[i, :k].tolist(), draft_q.get(i, []), logits[i, : k + 1], int(committed[i]),
-                                    samplers[i], self.cfg.verification == "rejection"))
+        verdicts = [Verdict(0, [int(own_ids[i])]) if plan.own else folded[i] if i in folded else decide(i, logits[i])
+                    for i, plan in enumerate(plans)]
         packed = pack(verdicts, width, committed)
-        self._commit(batch, packed, chain, committed, slots, width if refreshing else 0)
+        self._commit(batch, packed, chain, committed, slots, width if refreshing else 0, set(folded))
         self._capture.clear()
         if self.metrics is not None:
             accepted = [v.accepted for i, v in enumerate(verdicts) if i in counts]
@@ -426,56 +446,42 @@ class VeriCacheWorker(BaseSpecWorker):
         return self.model_runner.sample(out, fb), out
 
     def _commit(self, batch: Any, packed: Any, chain: torch.Tensor, committed: torch.Tensor,
-                slots: torch.Tensor, captured_width: int = 0) -> None:
+                slots: torch.Tensor, captured_width: int = 0, folded: Container[int] = ()) -> None:
         """The seed and the accepted drafts now have exact K/V in the target pool: fold it into the
-        compressed KV and the store. The correction/bonus token is the next seed (no K/V yet).
+        compressed KV (batch indices in ``folded`` already were) and the store. The correction/bonus
+        token is the next seed (no K/V yet).
 
         ``captured_width``: the verify pass's queries were captured, ``captured_width`` rows per
         request; the compressor refreshes each drafting request's rows from its committed tokens'."""
-        pool = self.model_runner.token_to_kv_pool
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
         for i, req in enumerate(batch.reqs):
             n = packed.verdicts[i].accepted + 1
-            full = read_full_kv(pool, slots[i, :n], self.layout)
-            if self.draft_pool.has(req.rid):
-                end = int(committed[i]) + n
-                pos = torch.arange(int(committed[i]), end)
-                refresh = None
-                if captured_width:
-                    parts = PoolParts(pool, req_to_token[req.kv.req_pool_idx, :end], self.layout.num_layers)
-                    refresh = (parts, self._capture.rows(i * captured_width, n))  # refresh scores in float32
-                    self._count("refreshes")
-                self.draft_pool.commit(req.rid, full, pos, refresh)
+            full = None
+            if self.draft_pool.has(req.rid) and i not in folded:
+                queries = self._capture.rows(i * captured_width, n) if captured_width else None
+                full = self._fold(req, int(committed[i]), slots[i, :n], queries)
             if self.lookup is not None:
                 self.lookup.extend(req.rid, packed.verdicts[i].tokens)  # committed; the last is the next seed
-            handle = self._requests.get(req.rid)
-            if handle is not None:
-                handle.extend_tokens(chain[i, :n].tolist())  # the seed and the accepted drafts
-                self._store_write(req.rid, handle, int(committed[i]), full)
+            if self.store is not None and self.store.writing(req.rid):
+                if full is None:
+                    full = read_full_kv(self.model_runner.token_to_kv_pool, slots[i, :n], self.layout)
+                self.store.extend(req.rid, chain[i, :n].tolist(), int(committed[i]), full)  # seed + accepted
             if self.host is not None:
                 self.host.offload(req, int(committed[i]) + n)
 
-    def _store_write(self, rid: str, handle: Any, start: int, full: Any) -> bool:
-        """Write a request's exact K/V to the store. The device copy stays authoritative, so a store
-        that fails only stops this request's writes (logged, counted); nothing it serves changes."""
-        try:
-            handle.write(start, full.layers)
-        except Exception as e:  # a store outage must not fail the step
-            if refused(e):
-                logger.error("VeriCache: the full-KV store refused this server's credentials (%s); request %s's KV "
-                             "stays on the device only", e, rid)
-            else:
-                logger.warning("VeriCache: full-KV store write for request %s failed (%s); its KV stays on the "
-                               "device only", rid, e)
-            if self.metrics is not None:
-                self.metrics.store_error("refused" if refused(e) else "outage")
-            self._requests.pop(rid, None)
-            with contextlib.suppress(Exception):
-                handle.release()
-            return False
-        if self.metrics is not None:
-            self.metrics.full_kv_written.inc(full.nbytes)
-        return True
+    def _fold(self, req: Any, start: int, slots: torch.Tensor, queries: list[torch.Tensor] | None) -> Any:
+        """Fold the exact K/V of ``req``'s tokens at ``slots`` (positions from ``start``) into its
+        draft row; with ``queries`` (theirs, in the verify pass) the compressor refreshes the row
+        from the full KV in SGLang's pool (read per layer, never copied whole). Returns that K/V."""
+        pool = self.model_runner.token_to_kv_pool
+        end = start + int(slots.numel())
+        full = read_full_kv(pool, slots, self.layout)
+        refresh = None
+        if queries is not None:
+            row = self.model_runner.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :end]
+            refresh = (PoolParts(pool, row, self.layout.num_layers), queries)  # refresh scores in float32
+            self._count("refreshes")
+        self.draft_pool.commit(req.rid, full, torch.arange(start, end), refresh)
+        return full
 
     def _count(self, name: str) -> None:
         if self.metrics is not None:
@@ -501,8 +507,6 @@ class VeriCacheWorker(BaseSpecWorker):
             self.lookup.forget(rid)
         if hasattr(self, "_capture"):
             self._capture.forget(rid)
-        handle = self._requests.pop(rid, None)
-        if handle is not None:
-            with contextlib.suppress(Exception):
-                handle.release()
+        if self.store is not None:
+            self.store.release(rid)
 
