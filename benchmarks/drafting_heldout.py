@@ -8,7 +8,7 @@ standard-library module, another section of the language reference, a tool-calli
 another domain), all fixed before this run: replay at x=16 and x=32 over 256 new tokens, the
 outputs' 4-gram repetition beside them, and live VeriCache for the x=32 configuration (identity
 with full-KV decoding, max |dlogit|). Writes ``benchmarks/results/drafting_heldout.{json,md}``.
-Run: ``python benchmarks/drafting_heldout.py`` (~10 min alone on 2 cores).
+Run: ``python benchmarks/drafting_heldout.py`` (70 min on 2 cores with a CI run beside it).
 """
 
 from __future__ import annotations
