@@ -20,7 +20,6 @@ from vericache_sglang.core.sampling import Sampler, SamplingParams
 pytestmark = pytest.mark.sglang
 
 
-
 @pytest.fixture(scope="module")
 def json_grammars():
     from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend

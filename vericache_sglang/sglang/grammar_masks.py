@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from vericache_sglang.engine.constraint import ConstraintState
+
 
 class ChainMasks:
     def __init__(self, grammars: dict[int, Any], width: int, vocab: int, device: Any):
@@ -54,13 +56,7 @@ class ChainMasks:
         """The matcher of batch index ``i`` takes its draft ``token``."""
         if i not in self.grammars or not self.following[i]:
             return
-        grammar = self.grammars[i]
-        if grammar.is_terminated():
-            self.following[i] = False
-            return
-        try:
-            grammar.accept_token(int(token))
-        except ValueError:  # masked drafts never hit this; a fully masked row would
+        if not accept(self.grammars[i], token):  # complete; or a fully masked row's token
             self.following[i] = False
             return
         self.advanced[i] += 1
@@ -109,9 +105,7 @@ class WindowGrammar:
         self.grammar.fill_vocab_mask(mask, 0)
         return mask
 
-    @staticmethod
-    def allows(token: int, mask: torch.Tensor) -> bool:
-        return bool((int(mask[0, token // 32]) >> (token % 32)) & 1)
+    allows = staticmethod(ConstraintState.allows)  # the same xgrammar bitmask layout
 
     def apply(self, logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         out = logits.float().clone()
@@ -120,14 +114,20 @@ class WindowGrammar:
         return out
 
     def advance(self, token: int) -> bool:
-        if self.grammar.is_terminated():
-            return False
-        try:
-            self.grammar.accept_token(int(token))
-        except ValueError:
-            return False
-        return True
+        return accept(self.grammar, token)
 
     def rollback(self, n: int) -> None:
         if n:
             self.grammar.rollback(n)
+
+
+def accept(grammar: Any, token: int) -> bool:
+    """SGLang's grammar object takes ``token``; False (nothing changed) when it is complete or
+    forbids the token (its ``accept_token`` raises ``ValueError`` then)."""
+    if grammar.is_terminated():
+        return False
+    try:
+        grammar.accept_token(int(token))
+    except ValueError:
+        return False
+    return True
