@@ -104,6 +104,22 @@ def test_refresh_swaps_in_exact_rows_the_inner_layer_lacks_at_a_fixed_budget(tin
         assert not held & set(pos[0].tolist())  # nothing taken twice
 
 
+def test_refresh_never_adds_a_token_a_composition_holds_quantized(tiny_runner, pre):
+    # A second, exact copy of a token beside its quantized one would weigh it twice in attention.
+    comp = parse_spec("snapkv:ratio=0.5,window=16+kivi:bits=4,group=16,residual=16+refresh:ratio=0.25")
+    ckv = comp.compress(pre.kv, pre.obs)
+    queries = [torch.randn(tiny_runner.num_heads, 3, tiny_runner.head_dim) for _ in ckv.layers]
+    for chosen in (ckv, None):  # the prompt's choice, then a verification's
+        if chosen is None:
+            comp.refresh(ckv, [[(k, v)] for k, v in pre.kv.layers], queries)
+        for layer in ckv.layers:
+            assert layer.rows == -(-pre.kv.num_tokens // 4)
+            for head, pos in enumerate(layer.positions.tolist()):
+                assert not set(layer.inner.positions[head].tolist()) & set(pos)
+    with pytest.raises(SpecError, match="a quantizer holds every token"):
+        parse_spec("kivi:bits=4+refresh")
+
+
 def test_refresh_over_a_kv_in_parts_chooses_what_the_whole_kv_would(tiny_runner, pre):
     # The verify path hands the full KV in parts (fetched, then committed rows): never concatenated.
     comp = parse_spec("h2o:ratio=0.125+refresh:ratio=0.125,span=4")

@@ -128,6 +128,13 @@ class CompressedLayer(ABC):
         holds bit-exactly, or None. What the device holds exactly need not cross the link again."""
         return None
 
+    def held_positions(self) -> torch.Tensor | None:
+        """Positions ``[kv_heads, m]`` of every token this layer holds in any form, exact or
+        approximated (a row added beside one of them would count that token twice in attention),
+        or None. By default the exact ones: a layer that approximates tokens says so."""
+        exact = self.exact_kv()
+        return None if exact is None else exact[0]
+
     @property
     def reserved_nbytes(self) -> int:
         """Bytes held past the content as room for appends and draft rows (not in ``nbytes``)."""

@@ -17,6 +17,7 @@ chains the model cuts; ``ChainMasks.adopt`` then takes the window's masks for ve
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -85,10 +86,12 @@ class ChainMasks:
         if n:
             self.grammars[i].apply_vocab_mask(logits[:n], self.masks[i][:n].to(logits.device))
 
-    def apply_chains(self, logits: torch.Tensor) -> None:
-        """Mask the verification logits ``[bs, width, vocab]`` at every position that has a mask."""
+    def apply_chains(self, logits: torch.Tensor, done: Collection[int] = ()) -> None:
+        """Mask the verification logits ``[bs, width, vocab]`` at every position that has a mask,
+        but not the rows in ``done`` (masked already, where they were decided)."""
         for i in self.grammars:
-            self.apply_chain(i, logits[i])
+            if i not in done:
+                self.apply_chain(i, logits[i])
 
 
 class WindowGrammar:

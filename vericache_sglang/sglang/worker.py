@@ -412,7 +412,7 @@ class VeriCacheWorker(BaseSpecWorker):
             flat = verify(torch.arange(bs)) if self.host is None else \
                 self.host.verify(reqs, verify, width, fold_while_lent if refreshing else None)
         logits = flat.view(bs, width, -1).float()
-        masks.apply_chains(logits)
+        masks.apply_chains(logits, done=folded)
         own_ids, own = self._own_tokens(batch, flat.view(bs, width, -1)[:, 0], slots) if any(p.own for p in plans) \
             else (None, None)
         verdicts = [Verdict(0, [int(own_ids[i])]) if plan.own else folded[i] if i in folded else decide(i, logits[i])

@@ -40,6 +40,9 @@ class ComposedLayer(CompressedLayer):
     def reserved_nbytes(self) -> int:
         return self.inner.reserved_nbytes
 
+    def held_positions(self) -> torch.Tensor:
+        return self.positions  # every kept token, quantized or in the exact residual
+
     def exact_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         exact = self.inner.exact_kv()
         if exact is None:

@@ -12,7 +12,9 @@ Scoring at a verification, per layer and KV head: the committed tokens' attentio
 KV (the verifier's token's query included: it is the one that saw where drafting went wrong),
 summed over those queries and averaged over the head's query group, then spread ``span`` rows
 forward, since text being copied is read forward (the row after an attended one is the next
-one needed). The best rows that the inner compressor does not already hold exactly are kept.
+one needed). The best rows of tokens the inner compressor does not hold are kept: none it holds
+exactly, nor one a composition holds quantized (two copies of a token would weigh it twice in
+attention). A quantizer alone holds every token and leaves nothing to add: refused.
 Before the first verification the prompt's last queries choose them (SnapKV's observation).
 """
 
@@ -126,6 +128,9 @@ class Refreshed(Compressor):
     def __init__(self, inner: Compressor, **params: object):
         if isinstance(inner, Refreshed):
             raise ValueError("refresh given twice")
+        if inner.kind == "quantization":
+            raise ValueError(f"refresh after {inner.name} alone: a quantizer holds every token, so there is no "
+                             f"row to add; put a dropper before it (snapkv:ratio=0.5+{inner.name}+refresh)")
         self.inner = inner
         super().__init__(**params)
         self.name = f"{inner.name}+refresh"
@@ -198,10 +203,10 @@ class Refreshed(Compressor):
                     scores[:, : before.shape[1]] += self.params.decay * before
                 kept = scores.clone()
             scores = spread_forward(scores, self.params.span)
-        held = inner.exact_kv()
+        held = inner.held_positions()
         free = n
-        if held is not None:  # rows the inner layer holds exactly are not taken twice
-            pos = held[0].long().to(device)
+        if held is not None:  # tokens the inner layer holds (exact or quantized) are not taken twice
+            pos = held.long().to(device)
             scores.scatter_(1, pos, float("-inf"))
             free = n - pos.shape[1]
         rows = max(0, min(rows, free))
