@@ -6,8 +6,8 @@ script measures it, the earlier fixed configuration, the README's recommended on
 at 1/8 on three held-out prompts of the same kinds (``benchmarks/prompts/heldout/``: another
 standard-library module, another section of the language reference, a tool-calling transcript of
 another domain), all fixed before this run: replay at x=16 and x=32 over 256 new tokens, the
-outputs' 4-gram repetition beside them, and live VeriCache for the x=32 configuration (identity
-with full-KV decoding, max |dlogit|). Writes ``benchmarks/results/drafting_heldout.{json,md}``.
+outputs' 4-gram repetition beside them, and live VeriCache at x=32 for the configurations in
+``LIVE`` (identity with full-KV decoding, max |dlogit|). Writes ``benchmarks/results/drafting_heldout.{json,md}``.
 Run: ``python benchmarks/drafting_heldout.py`` (~30 min alone on 2 cores).
 """
 

@@ -109,8 +109,8 @@ def test_refresh_never_adds_a_token_a_composition_holds_quantized(tiny_runner, p
     comp = parse_spec("snapkv:ratio=0.5,window=16+kivi:bits=4,group=16,residual=16+refresh:ratio=0.25")
     ckv = comp.compress(pre.kv, pre.obs)
     queries = [torch.randn(tiny_runner.num_heads, 3, tiny_runner.head_dim) for _ in ckv.layers]
-    for chosen in (ckv, None):  # the prompt's choice, then a verification's
-        if chosen is None:
+    for verified in (False, True):  # the prompt's choice, then a verification's
+        if verified:
             comp.refresh(ckv, [[(k, v)] for k, v in pre.kv.layers], queries)
         for layer in ckv.layers:
             assert layer.rows == -(-pre.kv.num_tokens // 4)
