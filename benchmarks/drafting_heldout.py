@@ -59,12 +59,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure these configurations and keep the others' rows of the last run")
     args = p.parse_args(argv)
     measured = args.only or list(SPECS)
+    measured_specs = {SPECS[m] for m in measured}
     path = RESULTS / "drafting_heldout.json"
     out: dict = {"specs": SPECS, "new_tokens": NEW_TOKENS, "prompts": {}, "replay": [], "live": []}
     if args.only:  # replay and live runs are deterministic: the rest of the last run stands
         last = json.loads(path.read_text())
         out["replay"] = [r for r in last["replay"] if r["config"] not in measured]
-        out["live"] = [r for r in last["live"] if r["spec"] not in {SPECS[m] for m in measured}]
+        out["live"] = [r for r in last["live"] if r["spec"] not in measured_specs]
     torch.set_num_threads(2)
     started = time.monotonic()
     engine = Engine("smollm2")
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "mean_accepted_length": st["mean_accepted_length"],
                                       "bytes_over_full": st["compressed_kv_bytes"] / pre.kv.nbytes})
                 print(json.dumps(out["replay"][-1]), file=sys.stderr, flush=True)
-        for spec in (s for s in LIVE if s in {SPECS[m] for m in measured}):
+        for spec in (s for s in LIVE if s in measured_specs):
             out["live"].append({"prompt": kind, **live_check(engine, pre, ref, traj, spec, 32, NEW_TOKENS)})
             print(json.dumps(out["live"][-1]), file=sys.stderr, flush=True)
     for label in SPECS:
@@ -103,17 +104,17 @@ def nominal_ratio(spec: str) -> float:
     """The issue's (and ``acceptance.md``'s) ratio: the share of tokens a dropper keeps times a
     quantizer's bits / 16, plus refreshed rows; positions and quantization scales not counted (the
     ``bytes`` columns count them, against this machine's float32 KV)."""
-    kept, bits, extra = 1.0, 16, 0.0
-    for part in spec.split("+"):
-        name, _, args = part.partition(":")
-        params = dict(a.split("=") for a in args.split(",") if a)
-        if name == "refresh":
-            extra += float(params["ratio"])
-        elif name == "kivi":
-            bits = int(params.get("bits", 2))
-        elif "ratio" in params:
-            kept = float(params["ratio"])
-    return kept * bits / 16 + extra
+    from vericache_sglang.core.compress import parse_spec
+    from vericache_sglang.core.compress.compose import Composed
+
+    compressor, refreshed = parse_spec(spec), 0.0
+    if compressor.refreshes:
+        compressor, refreshed = compressor.inner, compressor.params.ratio
+    if isinstance(compressor, Composed):
+        return compressor.dropper.params.ratio * compressor.quantizer.params.bits / 16 + refreshed
+    if compressor.kind == "dropping":
+        return compressor.params.ratio + refreshed
+    raise ValueError(f"no ratio by the issue's measure for {spec}")
 
 
 def report(out: dict) -> str:

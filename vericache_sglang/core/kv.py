@@ -131,7 +131,8 @@ class CompressedLayer(ABC):
     def held_positions(self) -> torch.Tensor | None:
         """Positions ``[kv_heads, m]`` of every token this layer holds in any form, exact or
         approximated (a row added beside one of them would count that token twice in attention),
-        or None. By default the exact ones: a layer that approximates tokens says so."""
+        or None. By default the exact ones; a composition says which tokens it holds quantized. (A
+        quantizer alone holds every token, and refresh, the caller, refuses it.)"""
         exact = self.exact_kv()
         return None if exact is None else exact[0]
 
