@@ -150,3 +150,47 @@ def test_a_resident_kv_serves_verify_passes_from_its_own_room(tiny_runner, promp
     copied = ResidentKV.from_full(resident.to_full(), 64)
     want = tiny_runner.forward([Segment(prompt[40:44], list(range(40, 44)), copied)])[0]
     assert torch.equal(out.logits, want.logits)
+
+
+def test_growing_rows_drop_and_keep_work_in_place_and_keep_the_order():
+    """A sliding window's eviction moves the sinks on (no copy of the window, no reallocation);
+    a drop nearer the end moves the tail back; ``keep`` gathers into the same buffer; and rows
+    dropped at the front are reused when the content outgrows the buffer's end."""
+    g = GrowingRows(rows(10))
+    g.append(rows(1, 10))
+    buffer = g._buf.data_ptr()
+    g.drop(2, 1)  # sinks 0, 1 move on over row 2
+    assert torch.equal(g.view, torch.cat([rows(2), rows(8, 3)], dim=1)) and g.start == 1
+    g.drop(7, 2)  # rows 8, 9 of the content go: the one row after them moves back
+    assert g.view[0, :, 0].tolist() == [0, 1, 3, 4, 5, 6, 7, 10] and g.start == 1
+    g.keep(torch.tensor([[0, 2, 7], [0, 2, 7]]))
+    assert g.view[0, :, 0].tolist() == [0, 3, 10] and g.view[1, :, 0].tolist() == [0, 3, 10]
+    last = 10 + g.capacity  # past the buffer's end: the content moves to its front, not to a new one
+    for t in range(11, last + 1):
+        g.append(rows(1, t))
+        g.drop(1, 1)
+    assert g._buf.data_ptr() == buffer and g.start < 10
+    assert g.view[0, :, 0].tolist() == [0, last - 1, last]
+    with pytest.raises(ValueError, match="cannot drop"):
+        g.drop(2, 5)
+
+
+def test_a_sliding_window_layer_matches_compressing_the_whole_sequence(tiny_runner):
+    """StreamingLLM updated commit by commit (in place) holds exactly the rows, in the order,
+    that compressing the whole sequence at once keeps, and its buffer is not reallocated."""
+    g = torch.Generator().manual_seed(4)
+    lay = tiny_runner.layout
+    n, extra = 40, 30
+    full = [(torch.randn(lay.num_kv_heads, n + extra, lay.head_dim, generator=g),
+             torch.randn(lay.num_kv_heads, n + extra, lay.head_dim, generator=g)) for _ in range(lay.num_layers)]
+    compressor = parse_spec("streamingllm:sink=3,window=20")
+    ckv = compressor.compress(FullKV(lay, [(k[:, :n], v[:, :n]) for k, v in full]))
+    buffers = None
+    for t in range(n, n + extra):
+        compressor.commit(ckv, [(k[:, t : t + 1], v[:, t : t + 1]) for k, v in full], torch.tensor([t]))
+        buffers = buffers or [layer._keys_rows._buf.data_ptr() for layer in ckv.layers]  # room made once
+    whole = compressor.compress(FullKV(lay, full))
+    for layer, want in zip(ckv.layers, whole.layers, strict=True):
+        assert torch.equal(layer.keys, want.keys) and torch.equal(layer.values, want.values)
+        assert torch.equal(layer.positions, want.positions)
+    assert [layer._keys_rows._buf.data_ptr() for layer in ckv.layers] == buffers

@@ -1,14 +1,37 @@
 """Per-head rows that grow in place: a compressed layer's kept K/V, appended to on every commit
 and read with a draft window's rows behind them, without reallocating or concatenating per step.
 
-The rows live in a buffer ``[heads, capacity, ...]``; the first ``length`` are the content. Rows
-past ``length`` are room: a draft window writes its tokens there (``with_tail``) and they vanish
-when the window ends (nothing moves ``length``), so a step reads one view of one buffer.
+The rows live in a buffer ``[heads, capacity, ...]``; rows ``start .. start + length`` are the
+content. Rows past the content are room: a draft window writes its tokens there (``with_tail``)
+and they vanish when the window ends (nothing moves ``length``), so a step reads one view of one
+buffer. Rows before ``start`` are dropped ones: a sliding window evicts its oldest token by moving
+the few rows before it (the sinks) one place on, not by copying the whole window.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+def _in_inference_mode(fn: F) -> F:
+    """Run ``fn`` in inference mode, entering it only where the caller has not: these run per
+    layer per request per step, and ``torch.inference_mode()`` as a decorator costs more than
+    a small copy."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
 
 # Room added when the buffer is outgrown: an eighth of what is needed, at least this many rows
 # (a draft window plus a few commits), so reallocation is rare and the room stays small.
@@ -24,48 +47,83 @@ class GrowingRows:
 
     def __init__(self, data: torch.Tensor):
         self._buf = data
+        self.start = 0
         self.length = data.shape[1]
 
     @property
     def view(self) -> torch.Tensor:
-        """The content rows (a view: writes past ``length`` do not show in it)."""
-        return self._buf[:, : self.length]
+        """The content rows (a view: writes past them do not show in it)."""
+        return self._buf[:, self.start : self.start + self.length]
 
     @property
     def capacity(self) -> int:
-        return self._buf.shape[1]
+        """Rows the content may grow to without moving."""
+        return self._buf.shape[1] - self.start
 
     @property
     def reserved_nbytes(self) -> int:
-        """Bytes of the room past the content (held, not counted as content)."""
+        """Bytes of the buffer beyond the content (room and dropped rows: held, not content)."""
         return self._buf.nbytes - self.view.nbytes
 
-    @torch.inference_mode()
     def _reserve(self, need: int, keep: int) -> None:
-        """Room for ``need`` rows, the first ``keep`` carried over if the buffer is replaced."""
+        """Room for ``need`` rows from ``start``, the first ``keep`` carried over if they move: to the
+        buffer's front where it is large enough (dropped rows made the room), else to a new one."""
         if need <= self.capacity:
             return
         cap = need + max(need // 8, MIN_ROOM_ROWS)
-        grown = self._buf.new_empty((self._buf.shape[0], cap, *self._buf.shape[2:]))
-        grown[:, :keep] = self._buf[:, :keep]
-        self._buf = grown
+        kept = self._buf[:, self.start : self.start + keep]
+        if cap <= self._buf.shape[1]:
+            self._buf[:, :keep] = kept.clone()  # the ranges may overlap
+        else:
+            grown = self._buf.new_empty((self._buf.shape[0], cap, *self._buf.shape[2:]))
+            grown[:, :keep] = kept
+            self._buf = grown
+        self.start = 0
 
-    @torch.inference_mode()
+    @_in_inference_mode
     def append(self, rows: torch.Tensor) -> None:
         end = self.length + rows.shape[1]
         self._reserve(end, self.length)
-        self._buf[:, self.length : end] = rows
+        self._buf[:, self.start + self.length : self.start + end] = rows
         self.length = end
 
-    @torch.inference_mode()
+    @_in_inference_mode
     def with_tail(self, offset: int, rows: torch.Tensor) -> torch.Tensor:
         """Write ``rows`` at ``length + offset`` (in the room) and return the content followed by
         the room's first ``offset + len(rows)`` rows; ``length`` does not change."""
         start = self.length + offset
         end = start + rows.shape[1]
         self._reserve(end, start)  # the window's earlier rows are carried over too
-        self._buf[:, start:end] = rows
-        return self._buf[:, :end]
+        self._buf[:, self.start + start : self.start + end] = rows
+        return self._buf[:, self.start : self.start + end]
+
+    @_in_inference_mode
+    def drop(self, first: int, count: int) -> None:
+        """Remove content rows ``first .. first + count``, the rest keeping their order: the rows
+        before them move ``count`` places on (a sliding window's sinks: a few rows), or, where
+        fewer follow, those move back."""
+        if not (0 <= first and count >= 0 and first + count <= self.length):
+            raise ValueError(f"cannot drop rows {first}..{first + count} of {self.length}")
+        if count == 0:
+            return
+        s, after = self.start, self.length - first - count
+        if first <= after:
+            self._buf[:, s + count : s + count + first] = self._buf[:, s : s + first].clone()
+            self.start += count
+        else:
+            tail = self._buf[:, s + first + count : s + self.length].clone()
+            self._buf[:, s + first : s + first + after] = tail
+        self.length -= count
+
+    @_in_inference_mode
+    def keep(self, cols: torch.Tensor) -> None:
+        """Keep the content rows ``cols`` (``[heads, n]`` per-head indices), written back into the
+        same buffer so its room survives (the next commit or draft does not reallocate)."""
+        idx = cols.view(*cols.shape, *([1] * (self._buf.dim() - 2))).expand(-1, -1, *self._buf.shape[2:])
+        kept = self.view.gather(1, idx)
+        n = kept.shape[1]
+        self._buf[:, self.start : self.start + n] = kept
+        self.length = n
 
 
 class RowsField:

@@ -204,6 +204,7 @@ class Compressor(ABC):
         """
         ckv.layers[layer_idx] = self.update_layer(ckv.layers[layer_idx], k, v, positions, q)
 
+    @torch.inference_mode()  # entered once here, not by each in-place write below
     def commit(self, ckv: CompressedKV, kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
                queries: list[torch.Tensor] | None = None) -> None:
         """Fold committed tokens into every layer: ``kv[layer]`` their exact K/V, ``queries[layer]``
@@ -310,11 +311,14 @@ class DroppedLayer(CompressedLayer):
         return keys.with_tail(offset, k), values.with_tail(offset, v)
 
     def keep_columns(self, cols: torch.Tensor) -> None:
-        """Keep the columns ``cols`` (``[kv_heads, n]`` indices into this layer's tokens)."""
-        idx = cols.unsqueeze(-1).expand(-1, -1, self.keys.shape[-1])
-        self.keys = self.keys.gather(1, idx).contiguous()
-        self.values = self.values.gather(1, idx).contiguous()
-        self.positions = self.positions.gather(1, cols).contiguous()
+        """Keep the columns ``cols`` (``[kv_heads, n]`` indices into this layer's tokens), in place."""
+        for rows in self._rows():
+            rows.keep(cols)
+
+    def drop_columns(self, first: int, count: int) -> None:
+        """Drop columns ``first .. first + count`` of every head, in place, the rest in order."""
+        for rows in self._rows():
+            rows.drop(first, count)
 
 
 def check_ratio(name: str, ratio: float) -> None:

@@ -65,9 +65,9 @@ class KIVILayer(CompressedLayer):
         n = self._k_res_rows.length
         nq = n - n % residual
         if nq:
-            k_res, v_res = self.k_res, self.v_res
-            self.quantize_block(k_res[:, :nq], v_res[:, :nq])
-            self.k_res, self.v_res = k_res[:, nq:].clone(), v_res[:, nq:].clone()
+            self.quantize_block(self.k_res[:, :nq], self.v_res[:, :nq])
+            self._k_res_rows.drop(0, nq)  # in place: the buffer's room stays for the next commits
+            self._v_res_rows.drop(0, nq)
 
     def quantize_block(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize ``k, v`` (``[heads, n, dim]``, ``n`` a multiple of ``group``) and append them."""

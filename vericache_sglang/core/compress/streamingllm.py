@@ -46,7 +46,8 @@ class StreamingLLM(Compressor):
     def update_layer(self, layer, k, v, positions, q) -> DroppedLayer:
         assert isinstance(layer, DroppedLayer)
         layer.append(k, v, positions)
-        keep = self._keep(layer.num_tokens).to(layer.keys.device)
-        if keep.numel() < layer.num_tokens:
-            layer.keep_columns(keep.expand(layer.keys.shape[0], -1))
+        # the window's oldest tokens go; the sinks move on over them (a few rows, not the window)
+        excess = layer.num_tokens - self.params.sink - self.params.window
+        if excess > 0:
+            layer.drop_columns(self.params.sink, excess)
         return layer
