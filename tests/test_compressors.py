@@ -6,7 +6,14 @@ import torch
 from vericache_sglang.core.compress import COMPRESSORS, SpecError, parse_spec
 from vericache_sglang.core.compress.base import Observation
 from vericache_sglang.core.compress.kivi import KIVILayer
-from vericache_sglang.core.compress.quant import dequantize, dequantize_packed, pack, quantize, unpack
+from vericache_sglang.core.compress.quant import (
+    dequantize,
+    dequantize_packed,
+    dequantize_packed_into,
+    pack,
+    quantize,
+    unpack,
+)
 from vericache_sglang.core.compress.snapkv import snapkv_scores
 from vericache_sglang.core.kv import FullKV, KVLayout
 
@@ -120,6 +127,11 @@ def test_table_dequantization_is_the_reference_bit_for_bit(bits, dtype):
         packed = pack(codes.reshape(3, 64, 64), bits)
         ref = dequantize(unpack(packed, bits).view(grouped), scale, mn, dtype)
         assert torch.equal(dequantize_packed(packed, bits, scale, mn, grouped, dtype), ref)
+        if dtype == torch.float32:  # written into a slice of a larger buffer, as the draft path does
+            buf = torch.full((3, 70, 64), float("nan"))
+            dequantize_packed_into(buf[:, 4:68], packed, bits, scale, mn, grouped)
+            assert torch.equal(buf[:, 4:68], ref.view(3, 64, 64))
+            assert buf[:, :4].isnan().all() and buf[:, 68:].isnan().all()
 
 
 def test_quantize_error_is_within_half_a_step():

@@ -53,11 +53,12 @@ def test_dropped_layer_counts_content_bytes_and_appends_in_place():
 
 
 @pytest.mark.parametrize("spec", ["snapkv:ratio=0.25", "streamingllm:sink=2,window=20", "kivi:bits=2,group=16",
-                                  "snapkv:ratio=0.5+kivi:bits=4,group=16"])
+                                  "kivi:bits=2,group=16,residual=32", "snapkv:ratio=0.5+kivi:bits=4,group=16",
+                                  "snapkv:ratio=0.5+kivi:bits=4,group=16,residual=16"])
 def test_a_draft_window_attends_to_what_concatenation_gave(tiny_runner, spec):
-    """In place (droppers) or concatenated (quantizers): every draft token attends to the
-    compressed KV followed by the window's earlier tokens, and a commit after the window sees
-    none of them."""
+    """In place (droppers) or assembled in a workspace (quantizers: the dequantized blocks, the
+    residual, the window): every draft token attends to the compressed KV followed by the
+    window's earlier tokens, bit for bit, and a commit after the window sees none of them."""
     g = torch.Generator().manual_seed(0)
     lay = tiny_runner.layout
     full = FullKV(lay, [(torch.randn(lay.num_kv_heads, 80, lay.head_dim, generator=g),

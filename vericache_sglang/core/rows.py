@@ -11,6 +11,8 @@ the few rows before it (the sinks) one place on, not by copying the whole window
 from __future__ import annotations
 
 import functools
+import math
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -19,7 +21,7 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 
-def _in_inference_mode(fn: F) -> F:
+def in_inference_mode(fn: F) -> F:
     """Run ``fn`` in inference mode, entering it only where the caller has not: these run per
     layer per request per step, and ``torch.inference_mode()`` as a decorator costs more than
     a small copy."""
@@ -31,6 +33,25 @@ def _in_inference_mode(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return run  # type: ignore[return-value]
+
+
+_workspace = threading.local()
+
+
+def workspace(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable buffer of ``shape`` for ``slot`` (per thread): what one layer's read is assembled
+    in, valid until the next call for the same slot. Its memory is one layer's worth, like an
+    activation, not a copy held per request."""
+    bufs = getattr(_workspace, "bufs", None)
+    if bufs is None:
+        bufs = _workspace.bufs = {}
+    numel = math.prod(shape)
+    key = (slot, dtype, torch.device(device))
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode():
+            buf = bufs[key] = torch.empty(numel + numel // 8, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
 
 
 # Room added when the buffer is outgrown: an eighth of what is needed, at least this many rows
@@ -80,14 +101,14 @@ class GrowingRows:
             self._buf = grown
         self.start = 0
 
-    @_in_inference_mode
+    @in_inference_mode
     def append(self, rows: torch.Tensor) -> None:
         end = self.length + rows.shape[1]
         self._reserve(end, self.length)
         self._buf[:, self.start + self.length : self.start + end] = rows
         self.length = end
 
-    @_in_inference_mode
+    @in_inference_mode
     def with_tail(self, offset: int, rows: torch.Tensor) -> torch.Tensor:
         """Write ``rows`` at ``length + offset`` (in the room) and return the content followed by
         the room's first ``offset + len(rows)`` rows; ``length`` does not change."""
@@ -97,7 +118,7 @@ class GrowingRows:
         self._buf[:, self.start + start : self.start + end] = rows
         return self._buf[:, self.start : self.start + end]
 
-    @_in_inference_mode
+    @in_inference_mode
     def drop(self, first: int, count: int) -> None:
         """Remove content rows ``first .. first + count``, the rest keeping their order: the rows
         before them move ``count`` places on (a sliding window's sinks: a few rows), or, where
@@ -115,7 +136,7 @@ class GrowingRows:
             self._buf[:, s + first : s + first + after] = tail
         self.length -= count
 
-    @_in_inference_mode
+    @in_inference_mode
     def keep(self, cols: torch.Tensor) -> None:
         """Keep the content rows ``cols`` (``[heads, n]`` per-head indices), written back into the
         same buffer so its room survives (the next commit or draft does not reallocate)."""

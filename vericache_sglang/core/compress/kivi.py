@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from vericache_sglang.core.compress.base import QuantizingCompressor
-from vericache_sglang.core.compress.quant import dequantize_packed, pack, quantize
+from vericache_sglang.core.compress.quant import dequantize_packed, dequantize_packed_into, pack, quantize
 from vericache_sglang.core.kv import CompressedLayer
-from vericache_sglang.core.rows import RowsField
+from vericache_sglang.core.rows import RowsField, in_inference_mode, workspace
 
 
 @dataclass
@@ -110,11 +110,35 @@ class KIVILayer(CompressedLayer):
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.dequantized_keys(), self.dequantized_values()
 
+    @in_inference_mode
     def read_with_drafts(self, offset: int, k: torch.Tensor, v: torch.Tensor,
                          query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dequantized blocks, the residual and the window's rows, assembled in a workspace
+        (valid until the next layer's read: the runner attends to it at once). No fused kernel
+        attends to the codes on a CPU, so they are dequantized each step, but written once,
+        where attention reads them, not dequantized and then copied on by a concatenation."""
         k_tail, v_tail = self._k_res_rows.with_tail(offset, k), self._v_res_rows.with_tail(offset, v)
-        return (torch.cat([*self._dequantized(self.k_blocks, per_channel=True), k_tail], dim=1),
-                torch.cat([*self._dequantized(self.v_blocks, per_channel=False), v_tail], dim=1))
+        if not self.quantized_tokens:
+            return k_tail, v_tail
+        if self.dtype != torch.float32:  # the table lookup is float32; other dtypes convert after
+            return (torch.cat([*self._dequantized(self.k_blocks, per_channel=True), k_tail], dim=1),
+                    torch.cat([*self._dequantized(self.v_blocks, per_channel=False), v_tail], dim=1))
+        h, d, n = k_tail.shape[0], k_tail.shape[2], self.quantized_tokens + k_tail.shape[1]
+        keys = workspace("kivi_keys", (h, n, d), k_tail.dtype, k_tail.device)
+        values = workspace("kivi_values", (h, n, d), v_tail.dtype, v_tail.device)
+        self._dequantize_into(keys, self.k_blocks, per_channel=True)
+        self._dequantize_into(values, self.v_blocks, per_channel=False)
+        keys[:, self.quantized_tokens :] = k_tail
+        values[:, self.quantized_tokens :] = v_tail
+        return keys, values
+
+    def _dequantize_into(self, out: torch.Tensor, blocks: QuantBlocks, per_channel: bool) -> None:
+        start, g = 0, self.group
+        for packed, scale, mn in zip(blocks.codes, blocks.scales, blocks.mins, strict=True):
+            h, n, d = packed.shape[0], packed.shape[1], packed.shape[2] * (8 // self.bits)
+            grouped = (h, n // g, g, d) if per_channel else (h, n, d // g, g)
+            dequantize_packed_into(out[:, start : start + n], packed, self.bits, scale, mn, grouped)
+            start += n
 
     def exact_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The residual is exact; quantized tokens are not.

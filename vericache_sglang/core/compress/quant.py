@@ -50,6 +50,18 @@ def dequantize_packed(packed: torch.Tensor, bits: int, scale: torch.Tensor, mn: 
     return codes.mul_(scale.float()).add_(mn.float()).to(dtype)
 
 
+def dequantize_packed_into(out: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor,
+                           mn: torch.Tensor, grouped: tuple[int, ...]) -> None:
+    """``dequantize_packed(...)`` (float32) written into ``out`` (``[heads, n, dim]``, each head's
+    rows contiguous: a slice of a larger buffer along ``n``), bit for bit: the same table lookup,
+    scale and min, without a tensor of its own to be copied on."""
+    table = _code_table(bits, packed.device)
+    idx = packed.long()
+    for h in range(out.shape[0]):
+        torch.index_select(table, 0, idx[h].view(-1), out=out[h].view(-1, table.shape[1]))
+    out.view(grouped).mul_(scale.float()).add_(mn.float())
+
+
 def quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with one (scale, min) per slice reduced along ``dim``.
 
