@@ -162,7 +162,7 @@ def test_growing_rows_drop_and_keep_work_in_place_and_keep_the_order():
     buffer = g._buf.data_ptr()
     g.drop(2, 1)  # sinks 0, 1 move on over row 2
     assert torch.equal(g.view, torch.cat([rows(2), rows(8, 3)], dim=1)) and g.start == 1
-    g.drop(7, 2)  # rows 8, 9 of the content go: the one row after them moves back
+    g.drop(7, 2)  # values 8 and 9 go: the one row after them moves back, not the seven before
     assert g.view[0, :, 0].tolist() == [0, 1, 3, 4, 5, 6, 7, 10] and g.start == 1
     g.keep(torch.tensor([[0, 2, 7], [0, 2, 7]]))
     assert g.view[0, :, 0].tolist() == [0, 3, 10] and g.view[1, :, 0].tolist() == [0, 3, 10]
