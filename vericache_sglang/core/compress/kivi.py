@@ -8,6 +8,7 @@ keys this way; doing the same for values only changes which tokens sit in the re
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -91,15 +92,19 @@ class KIVILayer(CompressedLayer):
     def num_tokens(self) -> int:
         return self.quantized_tokens + self.k_res.shape[1]
 
-    def _dequantized(self, blocks: QuantBlocks, per_channel: bool) -> list[torch.Tensor]:
-        """Each block as ``[heads, n, dim]`` in the model dtype: keys grouped over tokens (per
-        channel), values over channels (per token)."""
-        parts, g = [], self.group
+    def _grouped(self, blocks: QuantBlocks, per_channel: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor, tuple[int, ...]]]:
+        """Each block's codes, scale, min and its ``[heads, n, dim]`` shape grouped as quantized:
+        keys over tokens (per channel), values over channels (per token)."""
+        g = self.group
         for packed, scale, mn in zip(blocks.codes, blocks.scales, blocks.mins, strict=True):
             h, n, d = packed.shape[0], packed.shape[1], packed.shape[2] * (8 // self.bits)
-            grouped = (h, n // g, g, d) if per_channel else (h, n, d // g, g)
-            parts.append(dequantize_packed(packed, self.bits, scale, mn, grouped, self.dtype).view(h, n, d))
-        return parts
+            yield packed, scale, mn, ((h, n // g, g, d) if per_channel else (h, n, d // g, g))
+
+    def _dequantized(self, blocks: QuantBlocks, per_channel: bool) -> list[torch.Tensor]:
+        """Each block as ``[heads, n, dim]`` in the model dtype."""
+        return [dequantize_packed(packed, self.bits, scale, mn, grouped, self.dtype).view(*packed.shape[:2], -1)
+                for packed, scale, mn, grouped in self._grouped(blocks, per_channel)]
 
     def dequantized_keys(self) -> torch.Tensor:
         return torch.cat([*self._dequantized(self.k_blocks, per_channel=True), self.k_res], dim=1)
@@ -133,10 +138,9 @@ class KIVILayer(CompressedLayer):
         return keys, values
 
     def _dequantize_into(self, out: torch.Tensor, blocks: QuantBlocks, per_channel: bool) -> None:
-        start, g = 0, self.group
-        for packed, scale, mn in zip(blocks.codes, blocks.scales, blocks.mins, strict=True):
-            h, n, d = packed.shape[0], packed.shape[1], packed.shape[2] * (8 // self.bits)
-            grouped = (h, n // g, g, d) if per_channel else (h, n, d // g, g)
+        start = 0
+        for packed, scale, mn, grouped in self._grouped(blocks, per_channel):
+            n = packed.shape[1]
             dequantize_packed_into(out[:, start : start + n], packed, self.bits, scale, mn, grouped)
             start += n
 
