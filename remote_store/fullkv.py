@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = 64
 DEFAULT_DECODE_TTL_S = 3600.0
+# ``into(layer, (heads, tokens, head_dim))``: the K and V tensors a fetched layer is written into
+Allocate = Callable[[int, tuple[int, int, int]], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _tensor_from(payload: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -61,6 +63,7 @@ class FullKVStore:
         # below it, whole records (fewer, larger reads) cost less than the ranges save.
         self.subset_min_fraction = subset_min_fraction
         self.layout_digest = layout.digest()
+        self._dtype = dtype_name(layout.dtype)
         self.salt = salt_digest(layout.model_id, self.layout_digest, namespace)
 
     # keys and records
@@ -88,7 +91,11 @@ class FullKVStore:
         """Raise ChunkError unless ``header`` is that of chunk ``ref``'s layer ``layer`` in this layout."""
         codec.check(header, layout_digest=self.layout_digest, prefix_digest=ref.digest, layer=layer,
                     tokens=ref.num_tokens, start=ref.start)
-        if dataclasses.replace(header, crc32=0) != self.expected_header(ref, layer):
+        # The rest of the expected header (its payload length follows from the shape: decode_header
+        # checked that); compared field by field, as this runs for every chunk of every fetch.
+        lay = self.layout
+        if (header.kind, header.dtype, header.heads, header.head_dim) != (
+                codec.KIND_KV, self._dtype, lay.num_kv_heads, lay.head_dim):
             raise codec.ChunkError(f"chunk holds {header.dtype} kind {header.kind}, {header.heads} heads x "
                                    f"{header.head_dim}; expected raw {dtype_name(self.layout.dtype)} KV of this layout")
 
@@ -123,18 +130,25 @@ class FullKVStore:
             layers.append(self._join(refs, layer, records, None))
         return FullKV(self.layout, layers)
 
-    def _join(self, refs: list[ChunkRef], layer: int, records: list[bytes | None],
-              owners: list[str | None] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        ks, vs = [], []
+    def _join(self, refs: list[ChunkRef], layer: int, records: list[bytes | None], owners: list[str | None] | None,
+              span: tuple[int, int] | None = None, into: Allocate | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V of positions ``span`` (default: all of ``refs``), each chunk decoded
+        straight into its place in the output (``into``'s tensors, or new ones)."""
+        start, upto = span or (refs[0].start, refs[-1].end)
+        lay = self.layout
+        shape = (lay.num_kv_heads, upto - start, lay.head_dim)
+        k_out, v_out = into(layer, shape) if into else (torch.empty(shape, dtype=lay.dtype),
+                                                        torch.empty(shape, dtype=lay.dtype))
         for i, (ref, record) in enumerate(zip(refs, records, strict=True)):
             if record is None:
                 owner = owners[i] if owners else None
                 raise StoreError(f"chunk {ref.index} (tokens [{ref.start}, {ref.end}), layer {layer}) is "
                                  f"missing from the store (key {self.key(ref, layer, owner)})")
             k, v = self.decode(record, ref, layer)
-            ks.append(k)
-            vs.append(v)
-        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+            a, b = max(ref.start, start), min(ref.end, upto)
+            k_out[:, a - start : b - start] = k[:, a - ref.start : b - ref.start]
+            v_out[:, a - start : b - start] = v[:, a - ref.start : b - ref.start]
+        return k_out, v_out
 
     def open_request(self, tokens: Sequence[int], request_id: str | None = None) -> RequestKV:
         return RequestKV(self, tokens, request_id or uuid.uuid4().hex[:16])
@@ -235,13 +249,15 @@ class RequestKV:
             self.stored = start + n
 
     def fetch_layers(self, upto: int | None = None, layers: Sequence[int] | None = None, *, start: int = 0,
-                     held: Callable[[int], subset.Held | None] | None = None,
+                     held: Callable[[int], subset.Held | None] | None = None, into: Allocate | None = None,
                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(layer, keys, values)`` of positions ``[start, upto)``, layer by layer as they arrive.
 
         ``held(layer)`` names the rows the caller already holds bit-exactly (a compressor's kept
         tokens); when they are at least ``subset_min_fraction`` of the span, only the other rows
         are read, as byte ranges checked row by row, and the held ones are filled in.
+        ``into(layer, shape)``: the tensors each layer is written into (a caller's buffer: the
+        chunks land there, no copy after); default new ones.
         """
         store = self.store
         upto = self.stored if upto is None else upto
@@ -257,16 +273,16 @@ class RequestKV:
         total = 0
         if not held_by_layer or fraction < store.subset_min_fraction:
             groups = [[store.key(r, layer, o) for r, o in zip(refs, owners, strict=True)] for layer in layers]
-            lo, hi = start - refs[0].start, upto - refs[0].start
             for layer, records in zip(layers, store.backend.stream_get(groups), strict=True):
                 total += sum(len(r) for r in records if r is not None)
-                k, v = store._join(refs, layer, records, owners)
-                yield layer, k[:, lo:hi], v[:, lo:hi]
+                k, v = store._join(refs, layer, records, owners, (start, upto), into)
+                yield layer, k, v
         else:
             shape = (lay.num_kv_heads, upto - start, lay.head_dim)
             outs, plans = [], []
             for layer in layers:
-                k_out, v_out = torch.empty(shape, dtype=lay.dtype), torch.empty(shape, dtype=lay.dtype)
+                k_out, v_out = into(layer, shape) if into else (torch.empty(shape, dtype=lay.dtype),
+                                                                torch.empty(shape, dtype=lay.dtype))
                 mask = subset.place_held(held_by_layer[layer], k_out, v_out, start)
                 plans.append(subset.plan(refs, [store.expected_header(r, layer) for r in refs], mask, start, upto))
                 outs.append((k_out, v_out))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from remote_store.backends.base import ByteStore, RangeRequest
 
@@ -52,6 +52,22 @@ class LinkEmulator(ByteStore):
         out = self.inner.get_many(keys)
         self._transfer(sum(len(v) for v in out if v is not None), started)
         return out
+
+    def stream_get(self, groups: Sequence[Sequence[str]]) -> Iterator[list[bytes | None]]:
+        # One streamed read: the link moves group after group while the reader decodes the last (a
+        # DMA engine or a server stream does not wait for it), so every group's transfer is booked
+        # from the stream's start, behind whatever the link carried before; the reader sleeps only
+        # where it has caught up with the link.
+        started = time.monotonic()
+        for out in self.inner.stream_get(groups):
+            self._transfer(sum(len(v) for v in out if v is not None), started)
+            yield out
+
+    def stream_get_ranges(self, groups: Sequence[Sequence[RangeRequest]]) -> Iterator[list[list[bytes] | None]]:
+        started = time.monotonic()
+        for out in self.inner.stream_get_ranges(groups):
+            self._transfer(sum(len(p) for parts in out if parts is not None for p in parts), started)
+            yield out
 
     def get_ranges(self, requests: Sequence[RangeRequest]) -> list[list[bytes] | None]:
         started = time.monotonic()

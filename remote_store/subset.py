@@ -42,17 +42,18 @@ def held_fraction(held: Held | None, heads: int, start: int, end: int) -> float:
 def place_held(held: Held | None, k_out: torch.Tensor, v_out: torch.Tensor, start: int) -> torch.Tensor:
     """Write the held rows into ``k_out``/``v_out`` (``[heads, end - start, d]``); return the mask
     ``[heads, end - start]`` of positions filled."""
-    heads, n, d = k_out.shape
+    heads, n, _ = k_out.shape
     mask = torch.zeros(heads, n, dtype=torch.bool)
     if held is None:
         return mask
     pos, hk, hv = held
     pos = pos.long().cpu()
     valid = (pos >= start) & (pos < start + n)
-    flat = (torch.arange(heads).unsqueeze(1) * n + (pos - start))[valid]
-    mask.view(-1)[flat] = True
-    k_out.view(-1, d)[flat] = hk[valid].to(k_out.device)
-    v_out.view(-1, d)[flat] = hv[valid].to(v_out.device)
+    # (head, column) pairs: the outputs may be views into larger buffers, so not flattened
+    rows, cols = torch.arange(heads).unsqueeze(1).expand_as(pos)[valid], (pos - start)[valid]
+    mask[rows, cols] = True
+    k_out[rows, cols] = hk[valid].to(k_out.device)
+    v_out[rows, cols] = hv[valid].to(v_out.device)
     return mask
 
 

@@ -7,6 +7,7 @@ computes layer 0 while later layers are still on the link.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,14 @@ class RoomyLayers:
     def adopt(self, layer: int, k_buf: torch.Tensor, v_buf: torch.Tensor, n: int) -> None:
         """Use buffers that already hold the layer's ``n`` rows with room after them."""
         self.layers[layer] = (k_buf, v_buf, n)
+
+    def allocate(self, layer: int, shape: tuple[int, int, int],
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's buffers, on the host, for a fetch to write its ``shape[1]`` rows into."""
+        h, n, d = shape
+        k_buf, v_buf = (torch.empty((h, n + self.room, d), dtype=dtype) for _ in range(2))
+        self.layers[layer] = (k_buf, v_buf, n)
+        return k_buf[:, :n], v_buf[:, :n]
 
     def place(self, layer: int, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> None:
         """Copy the layer into its buffer (on ``device``: the host-to-device copy lands there)."""
@@ -89,12 +98,16 @@ class FullKVFetch:
                 before = self.request.stats.put_bytes
                 self.request.write(*self._pending)
                 self.bytes_written = self.request.stats.put_bytes - before
-            for layer, k, v in self.request.fetch_layers(self.upto, held=self.held):
-                # The store's bytes land in host memory; the link is the copy to the device (into
-                # the roomy buffer where there is one: no second copy on the verify's path).
-                if self._roomy is not None:
-                    self._roomy.place(layer, k, v, self.device)
-                    k, v = self._roomy.view(layer)
+            # On the host the chunks are decoded straight into the roomy buffers; on an accelerator
+            # the store's bytes land in host memory and the link is the copy to the device (into
+            # the roomy buffer where there is one: no second copy on the verify's path).
+            roomy = self._roomy
+            into = functools.partial(roomy.allocate, dtype=self.request.store.layout.dtype) \
+                if roomy is not None and self.device.type == "cpu" else None
+            for layer, k, v in self.request.fetch_layers(self.upto, held=self.held, into=into):
+                if roomy is not None and into is None:
+                    roomy.place(layer, k, v, self.device)
+                    k, v = roomy.view(layer)
                 elif self.device.type != "cpu":
                     k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
                 if self.device.type != "cpu":
