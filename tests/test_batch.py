@@ -1,6 +1,9 @@
 """The batch engine on the tiny model: every mode decodes every request exactly as full-KV
 decoding does (lossy aside), within the device budget, with continuous batching."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -12,6 +15,8 @@ from vericache_sglang.core.sampling import SamplingParams
 from vericache_sglang.engine.batch import BatchConfig, BatchEngine
 from vericache_sglang.engine.decode import GenerationConfig, generate_full, prefill
 from vericache_sglang.engine.engine import compare
+from vericache_sglang.engine.fetch import FullKVFetch
+from vericache_sglang.engine.request import VeriCacheRequest
 
 SPEC = "snapkv:ratio=0.25,window=16"
 
@@ -161,3 +166,21 @@ def test_each_prompt_is_compressed_once(tiny_runner, pres, refs, mode):
     assert CountingSnapKV.calls == len(pres)
     if mode == "vericache":
         assert all(compare(refs[i], results[f"r{i}"])["identical"] for i in range(len(pres)))
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "staggered"])
+def test_a_finished_batch_is_freed_without_the_cycle_collector(tiny_runner, pres, schedule):
+    # A server runs for days: a finished request's full KV (its last fetch's buffers, 175 MB at
+    # 4K tokens of SmolLM2) must go when the request does, not at some later full collection;
+    # benchmarks that ran batch after batch grew by GBs and slowed in the kernel's reclaim.
+    gc.collect()
+    gc.disable()
+    try:
+        outs, engine = run_batch(tiny_runner, pres[:3], "vericache", schedule)
+        assert len(outs) == 3
+        freed = weakref.ref(engine)
+        del outs, engine
+        assert freed() is None
+        assert not [o for o in gc.get_objects() if isinstance(o, (FullKVFetch, VeriCacheRequest))]
+    finally:
+        gc.enable()

@@ -332,13 +332,13 @@ class BatchEngine:
         if mode == "vericache" and job.prefix is not None:
             return VeriCacheRequest(self.runner, None, job.compressor, self.store, job.gen, self.tokenizer,
                                     job.on_commit, request_id=rid,
-                                    recompute=lambda t: recompute_full_kv(self.runner, t), prompt=job.prompt,
+                                    recompute=functools.partial(recompute_full_kv, self.runner), prompt=job.prompt,
                                     prefix_ckv=job.prefix.ckv.clone(), prefix_len=len(job.prefix.tokens))
         ckv, job.ckv = job.ckv, None
         if mode == "vericache":
             return VeriCacheRequest(self.runner, pre, job.compressor, self.store, job.gen, self.tokenizer,
                                     job.on_commit, request_id=rid,
-                                    recompute=lambda t: recompute_full_kv(self.runner, t), ckv=ckv)
+                                    recompute=functools.partial(recompute_full_kv, self.runner), ckv=ckv)
         req = _Plain(rid, pre, job.gen, mode, self.tokenizer, job.compressor, job.on_commit)
         if mode == "full_resident":
             req.ctx = ResidentKV.from_full(pre.kv, len(pre.tokens) + job.gen.max_new_tokens, self.runner.device)

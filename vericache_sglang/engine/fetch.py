@@ -118,6 +118,9 @@ class FullKVFetch:
         except BaseException as e:  # surfaced to the verify pass by wait_layer
             self.error = e
         finally:
+            # The callback refers to the request, which refers to this fetch: dropped once read,
+            # so a finished request and its full KV are freed at once, not by the cycle collector.
+            self.held = None
             self.finished = time.monotonic()
             for event in self._ready:
                 event.set()

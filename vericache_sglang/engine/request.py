@@ -319,6 +319,7 @@ class VeriCacheRequest:
     def release(self) -> None:
         if self.feed is not None:
             self.feed.join()
+            self.feed = None  # its full KV goes now, not when the request object does
         self.stats.store_put_bytes = self.kv.stats.put_bytes
         self.kv.release()
 
