@@ -6,6 +6,7 @@ import weakref
 
 import pytest
 import torch
+from faults import HookedStore, failing_from
 
 from remote_store.backends.memory import MemoryStore
 from remote_store.fullkv import FullKVStore
@@ -38,9 +39,9 @@ def refs(tiny_runner, pres):
 
 
 def run_batch(runner, pres, mode, schedule="staggered", budget_units=2.5, cfg=None, link_bytes_s=5e8, spec=SPEC,
-              **batch):
+              backend=None, **batch):
     unit = (320 + 24) * runner.layout.bytes_per_token
-    store = FullKVStore(LinkEmulator(MemoryStore(), link_bytes_s), runner.layout, chunk_tokens=32)
+    store = FullKVStore(LinkEmulator(backend or MemoryStore(), link_bytes_s), runner.layout, chunk_tokens=32)
     engine = BatchEngine(runner, store, parse_spec(spec),
                          BatchConfig(mode=mode, schedule=schedule, kv_budget_bytes=int(budget_units * unit),
                                      window=48, **batch), cfg or gen())
@@ -168,16 +169,22 @@ def test_each_prompt_is_compressed_once(tiny_runner, pres, refs, mode):
         assert all(compare(refs[i], results[f"r{i}"])["identical"] for i in range(len(pres)))
 
 
-@pytest.mark.parametrize("schedule", ["lockstep", "staggered"])
-def test_a_finished_batch_is_freed_without_the_cycle_collector(tiny_runner, pres, schedule):
+@pytest.mark.parametrize("schedule,store_fails", [("lockstep", False), ("staggered", False), ("staggered", True)])
+def test_a_finished_batch_is_freed_without_the_cycle_collector(tiny_runner, pres, refs, schedule, store_fails):
     # A server runs for days: a finished request's full KV (its last fetch's buffers, 175 MB at
     # 4K tokens of SmolLM2) must go when the request does, not at some later full collection;
-    # benchmarks that ran batch after batch grew by GBs and slowed in the kernel's reclaim.
+    # benchmarks that ran batch after batch grew by GBs and slowed in the kernel's reclaim. A
+    # fetch that failed (the request recomputed its full KV) keeps its error, whose frames held
+    # the fetch's buffers and the request.
     gc.collect()
     gc.disable()
     try:
-        outs, engine = run_batch(tiny_runner, pres[:3], "vericache", schedule)
-        assert len(outs) == 3
+        first_verify_gets = 2 * tiny_runner.layout.num_layers + 2  # one get of a fetch fails
+        backend = HookedStore(MemoryStore(), failing_from(first_verify_gets, until=first_verify_gets)) \
+            if store_fails else None
+        outs, engine = run_batch(tiny_runner, pres[:3], "vericache", schedule, backend=backend)
+        assert [o.tokens for o in outs] == [r.tokens for r in refs[:3]]
+        assert sum(o.stats.store_fallbacks for o in outs) == int(store_fails)
         freed = weakref.ref(engine)
         del outs, engine
         assert freed() is None

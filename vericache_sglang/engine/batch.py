@@ -36,7 +36,7 @@ from vericache_sglang.core.kv import CompressedKV
 from vericache_sglang.core.sampling import Sampler
 from vericache_sglang.core.schedule import StaggeredScheduler
 from vericache_sglang.engine.decode import recompute_full_kv
-from vericache_sglang.engine.fetch import FullKVFetch
+from vericache_sglang.engine.fetch import FullKVFetch, release_frames
 from vericache_sglang.engine.generation import GenerationConfig, GenerationResult, Output, Prefill
 from vericache_sglang.engine.prefix import RegisteredPrefix
 from vericache_sglang.engine.request import VeriCacheRequest
@@ -268,6 +268,7 @@ class BatchEngine:
                 else:
                     self._run_plain(running)
             except Exception as e:  # the failure goes to every request it touched
+                release_frames(e)  # the batch's frames held every running request's KV
                 for rid, (req, _) in list(running.items()):
                     running.pop(rid)
                     self._fail(rid, req, e)
@@ -329,6 +330,7 @@ class BatchEngine:
 
     def _start(self, job: Job):
         mode, rid, pre = self.batch.mode, job.rid, job.pre
+        job.pre = None  # the request keeps what it needs of the prefill; the job lives until it ends
         if mode == "vericache" and job.prefix is not None:
             return VeriCacheRequest(self.runner, None, job.compressor, self.store, job.gen, self.tokenizer,
                                     job.on_commit, request_id=rid,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,17 @@ from vericache_sglang.engine.runner import ResidentKV
 
 class FetchError(StoreError):
     """A full-KV fetch for verification failed; no token of that verification is committed."""
+
+
+def release_frames(error: BaseException | None) -> None:
+    """Clear the locals of the finished frames in ``error``'s tracebacks (its causes' too): a kept
+    error would otherwise keep every tensor those frames held, and the objects that keep the
+    error, in a cycle through them. The traceback's lines stay."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 class RoomyLayers:
@@ -98,6 +110,7 @@ class FullKVFetch:
                 before = self.request.stats.put_bytes
                 self.request.write(*self._pending)
                 self.bytes_written = self.request.stats.put_bytes - before
+                self._pending = None  # a first fetch's is the whole prompt's KV
             # On the host the chunks are decoded straight into the roomy buffers; on an accelerator
             # the store's bytes land in host memory and the link is the copy to the device (into
             # the roomy buffer where there is one: no second copy on the verify's path).
@@ -143,6 +156,8 @@ class FullKVFetch:
 
     def join(self) -> None:
         self._thread.join(self.timeout_s)
+        if not self._thread.is_alive():
+            release_frames(self.error)  # its frames held this fetch, its request and their KV
 
     @property
     def bytes_fetched(self) -> int:
