@@ -81,7 +81,6 @@ class BatchStats:
     verify_passes: int = 0
     waiting_iterations: int = 0  # request-iterations spent in the scheduler's waiting queue
     max_verifies_per_iteration: int = 0  # how bunched verifications (and their reloads) are
-    iteration_s: list[float] = field(default_factory=list)
 
     @property
     def throughput_tok_s(self) -> float:
@@ -262,6 +261,7 @@ class BatchEngine:
                 stop.wait(idle_s)
                 continue
             running: dict = {}
+            self._fetch_intervals.clear()  # summed by run() alone; a server's would grow forever
             try:
                 if self.batch.mode == "vericache":
                     self._run_vericache(running)
@@ -358,7 +358,6 @@ class BatchEngine:
         used = self._join(running, 0)
         layers = self.runner.layout.num_layers
         while running:
-            t = time.monotonic()
             segments, owners = [], []
             for req, _ in running.values():
                 if req.out.stop.done:
@@ -387,7 +386,7 @@ class BatchEngine:
                 req.take(out)
                 if self.batch.mode == "full_offloaded":
                     req.kv.extend_tokens(req.tokens[-1:])
-            self._end_iteration(t, running)
+            self._end_iteration(running)
             for rid in [r for r, (req, _) in running.items() if req.out.stop.done]:
                 req, need = running.pop(rid)
                 used -= need
@@ -396,10 +395,8 @@ class BatchEngine:
                 self._finish(rid, req.result())
             used = self._join(running, used)
 
-    def _end_iteration(self, started: float, running: dict) -> None:
-        dt = time.monotonic() - started
+    def _end_iteration(self, running: dict) -> None:
         self.stats.iterations += 1
-        self.stats.iteration_s.append(dt)
         self.stats.peak_running = max(self.stats.peak_running, len(running))
         self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, sum(n for _, n in running.values()))
 
@@ -461,7 +458,7 @@ class BatchEngine:
             used = self._finish_done(running, self._join(running, used, reloads=reloads))
             to_admit += [rid for rid in running if rid not in before]
             sched.set_memory_capacity(self.batch.kv_budget_bytes - used)
-            self._end_iteration(t, running)
+            self._end_iteration(running)
             sched.observe_iteration(time.monotonic() - t)
             self._iteration_s = sched.iteration_s
             sched.tick()
@@ -537,13 +534,11 @@ class BatchEngine:
                 req.start_fetch()
                 req.begin_window(req.next_horizon(x))
             for _ in range(x):
-                t = time.monotonic()
                 drafting = [req for req in reqs if req.drafting]
                 outs = self.runner.forward([r.draft_segment() for r in drafting]) if drafting else []
                 for req, out in zip(drafting, outs, strict=True):
                     req.take_draft(out)
-                self._end_iteration(t, running)
-            t = time.monotonic()
+                self._end_iteration(running)
             self.stats.max_verifies_per_iteration = max(self.stats.max_verifies_per_iteration, len(reqs))
             for req in reqs:
                 self.stats.stall_s += req.wait_fetch()
@@ -552,5 +547,5 @@ class BatchEngine:
                 self._account_fetch(req.feed, None)
                 req.take_verify(out)
                 self.stats.verify_passes += 1
-            self._end_iteration(t, running)
+            self._end_iteration(running)
             used = self._finish_done(running, self._join(running, self._finish_done(running, used)))
