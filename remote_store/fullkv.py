@@ -135,10 +135,7 @@ class FullKVStore:
         """The layer's K/V of positions ``span`` (default: all of ``refs``), each chunk decoded
         straight into its place in the output (``into``'s tensors, or new ones)."""
         start, upto = span or (refs[0].start, refs[-1].end)
-        lay = self.layout
-        shape = (lay.num_kv_heads, upto - start, lay.head_dim)
-        k_out, v_out = into(layer, shape) if into else (torch.empty(shape, dtype=lay.dtype),
-                                                        torch.empty(shape, dtype=lay.dtype))
+        k_out, v_out = self._outputs(layer, upto - start, into)
         for i, (ref, record) in enumerate(zip(refs, records, strict=True)):
             if record is None:
                 owner = owners[i] if owners else None
@@ -149,6 +146,14 @@ class FullKVStore:
             k_out[:, a - start : b - start] = k[:, a - ref.start : b - ref.start]
             v_out[:, a - start : b - start] = v[:, a - ref.start : b - ref.start]
         return k_out, v_out
+
+    def _outputs(self, layer: int, tokens: int, into: Allocate | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a layer's K/V of ``tokens`` positions is decoded: ``into``'s tensors, or new ones."""
+        lay = self.layout
+        shape = (lay.num_kv_heads, tokens, lay.head_dim)
+        if into is not None:
+            return into(layer, shape)
+        return torch.empty(shape, dtype=lay.dtype), torch.empty(shape, dtype=lay.dtype)
 
     def open_request(self, tokens: Sequence[int], request_id: str | None = None) -> RequestKV:
         return RequestKV(self, tokens, request_id or uuid.uuid4().hex[:16])
@@ -278,11 +283,9 @@ class RequestKV:
                 k, v = store._join(refs, layer, records, owners, (start, upto), into)
                 yield layer, k, v
         else:
-            shape = (lay.num_kv_heads, upto - start, lay.head_dim)
             outs, plans = [], []
             for layer in layers:
-                k_out, v_out = into(layer, shape) if into else (torch.empty(shape, dtype=lay.dtype),
-                                                                torch.empty(shape, dtype=lay.dtype))
+                k_out, v_out = store._outputs(layer, upto - start, into)
                 mask = subset.place_held(held_by_layer[layer], k_out, v_out, start)
                 plans.append(subset.plan(refs, [store.expected_header(r, layer) for r in refs], mask, start, upto))
                 outs.append((k_out, v_out))

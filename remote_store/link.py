@@ -50,7 +50,7 @@ class LinkEmulator(ByteStore):
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         started = time.monotonic()
         out = self.inner.get_many(keys)
-        self._transfer(sum(len(v) for v in out if v is not None), started)
+        self._transfer(_record_bytes(out), started)
         return out
 
     def stream_get(self, groups: Sequence[Sequence[str]]) -> Iterator[list[bytes | None]]:
@@ -60,19 +60,19 @@ class LinkEmulator(ByteStore):
         # where it has caught up with the link.
         started = time.monotonic()
         for out in self.inner.stream_get(groups):
-            self._transfer(sum(len(v) for v in out if v is not None), started)
+            self._transfer(_record_bytes(out), started)
             yield out
 
     def stream_get_ranges(self, groups: Sequence[Sequence[RangeRequest]]) -> Iterator[list[list[bytes] | None]]:
         started = time.monotonic()
         for out in self.inner.stream_get_ranges(groups):
-            self._transfer(sum(len(p) for parts in out if parts is not None for p in parts), started)
+            self._transfer(_range_bytes(out), started)
             yield out
 
     def get_ranges(self, requests: Sequence[RangeRequest]) -> list[list[bytes] | None]:
         started = time.monotonic()
         out = self.inner.get_ranges(requests)
-        self._transfer(sum(len(p) for parts in out if parts is not None for p in parts), started)
+        self._transfer(_range_bytes(out), started)
         return out
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
@@ -97,3 +97,11 @@ class LinkEmulator(ByteStore):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _record_bytes(records: list[bytes | None]) -> int:
+    return sum(len(r) for r in records if r is not None)
+
+
+def _range_bytes(replies: list[list[bytes] | None]) -> int:
+    return sum(len(part) for parts in replies if parts is not None for part in parts)

@@ -49,21 +49,18 @@ class RoomyLayers:
         """Use buffers that already hold the layer's ``n`` rows with room after them."""
         self.layers[layer] = (k_buf, v_buf, n)
 
-    def allocate(self, layer: int, shape: tuple[int, int, int],
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's buffers, on the host, for a fetch to write its ``shape[1]`` rows into."""
+    def allocate(self, layer: int, shape: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's buffers; returns the views its ``shape[1]`` rows are written into."""
         h, n, d = shape
-        k_buf, v_buf = (torch.empty((h, n + self.room, d), dtype=dtype) for _ in range(2))
+        k_buf, v_buf = (torch.empty((h, n + self.room, d), dtype=dtype, device=device) for _ in range(2))
         self.layers[layer] = (k_buf, v_buf, n)
         return k_buf[:, :n], v_buf[:, :n]
 
     def place(self, layer: int, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> None:
         """Copy the layer into its buffer (on ``device``: the host-to-device copy lands there)."""
-        h, n, d = k.shape
-        bufs = [torch.empty((h, n + self.room, d), dtype=t.dtype, device=device) for t in (k, v)]
-        for buf, t in zip(bufs, (k, v), strict=True):
-            buf[:, :n].copy_(t, non_blocking=device.type != "cpu")
-        self.layers[layer] = (bufs[0], bufs[1], n)
+        for buf, t in zip(self.allocate(layer, tuple(k.shape), k.dtype, device), (k, v), strict=True):
+            buf.copy_(t, non_blocking=device.type != "cpu")
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         held = self.layers[layer]
