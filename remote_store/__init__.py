@@ -19,7 +19,8 @@ LINK_PARAMS = ("link_ratio", "link_gbps", "link_latency_us")
 def open_store(url: str, memory_bandwidth: Callable[[], float] | None = None) -> ByteStore:
     """Open a byte store by URL.
 
-    ``memory://[?capacity_bytes=N]`` (embedded, the default), ``redis[s]://...``, ``grpc[s]://...``
+    ``memory://[?capacity_bytes=N&pin_ttl_s=S]`` (embedded, the default; capacity a quarter of the
+    host's memory unless named, 0 for none; pins are leases of ``pin_ttl_s``), ``redis[s]://...``, ``grpc[s]://...``
     (our store server), ``lmcache://[:TOKEN@]HOST:PORT`` (the LMCache sidecar, which speaks our store
     protocol: ``remote_store.lmcache_sidecar``). Any URL may add
     ``link_ratio=R`` (a link R times slower than ``memory_bandwidth()``, the engine's measured
@@ -31,9 +32,13 @@ def open_store(url: str, memory_bandwidth: Callable[[], float] | None = None) ->
     link = {k: float(query.pop(k)) for k in LINK_PARAMS if k in query}
     bare = urlunsplit(parts._replace(query=urlencode(query)))
     if parts.scheme == "memory":
-        from remote_store.backends.memory import MemoryStore
+        from remote_store.backends.memory import DEFAULT_PIN_TTL_S, MemoryStore, default_capacity_bytes
 
-        store: ByteStore = MemoryStore(int(query.get("capacity_bytes", 0)), url=bare)
+        unknown = set(query) - {"capacity_bytes", "pin_ttl_s"}
+        if unknown:
+            raise ValueError(f"memory:// takes capacity_bytes and pin_ttl_s, not {', '.join(sorted(unknown))}")
+        capacity = int(query.get("capacity_bytes", default_capacity_bytes()))  # 0: unbounded
+        store: ByteStore = MemoryStore(capacity, url=bare, pin_ttl_s=float(query.get("pin_ttl_s", DEFAULT_PIN_TTL_S)))
     elif parts.scheme in ("redis", "rediss"):
         from remote_store.backends.redis import RedisStore
 

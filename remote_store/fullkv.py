@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = 64
 DEFAULT_DECODE_TTL_S = 3600.0
+MAX_DEFERRED_RELEASES = 4096
 # ``into(layer, (heads, tokens, head_dim))``: the K and V tensors a fetched layer is written into
 Allocate = Callable[[int, tuple[int, int, int]], tuple[torch.Tensor, torch.Tensor]]
 
@@ -65,6 +66,8 @@ class FullKVStore:
         self.layout_digest = layout.digest()
         self._dtype = dtype_name(layout.dtype)
         self.salt = salt_digest(layout.model_id, self.layout_digest, namespace)
+        self._deferred: list[tuple[RequestKV, bool]] = []  # releases a store error interrupted
+        self._deferred_lock = threading.Lock()
 
     # keys and records
     def key(self, ref: ChunkRef, layer: int, owner: str | None = None) -> str:
@@ -154,6 +157,21 @@ class FullKVStore:
         if into is not None:
             return into(layer, shape)
         return torch.empty(shape, dtype=lay.dtype), torch.empty(shape, dtype=lay.dtype)
+
+    def defer_release(self, kv: RequestKV, delete_private: bool) -> None:
+        with self._deferred_lock:
+            self._deferred.append((kv, delete_private))
+            if len(self._deferred) > MAX_DEFERRED_RELEASES:  # a store gone for good: leases and TTLs end them
+                dropped = self._deferred.pop(0)[0]
+                log.warning("dropped the deferred release of request %s (%d keys)", dropped.request_id,
+                            dropped.unreleased)
+
+    def retry_releases(self) -> None:
+        """Retry the releases a store error interrupted (each re-defers itself if it fails again)."""
+        with self._deferred_lock:
+            deferred, self._deferred = self._deferred, []
+        for kv, delete_private in deferred:
+            kv._release(delete_private)
 
     def open_request(self, tokens: Sequence[int], request_id: str | None = None) -> RequestKV:
         return RequestKV(self, tokens, request_id or uuid.uuid4().hex[:16])
@@ -305,15 +323,34 @@ class RequestKV:
     def release(self, delete_private: bool = True) -> None:
         """Unpin the request's chunks; delete its private ones (shared ones stay cached).
 
-        Best effort: a store that is down by now cannot fail a request that already finished; its
-        private chunks then expire with their TTL.
+        Best effort: a store that is down by now cannot fail a request that already finished. What
+        it could not release is kept and retried after the store's next successful release (pins
+        and private chunks would otherwise hold their records until their leases and TTLs end). A
+        retried unpin the store had applied before its reply was lost unpins twice: a shared chunk
+        then loses a protection against eviction, and a request that misses it recomputes it.
         """
+        if self._release(delete_private):
+            self.store.retry_releases()
+
+    def _release(self, delete_private: bool) -> bool:
+        """Release what this request holds; False (and deferred) where the store refused."""
         with self._lock:
-            pinned, private = self._pinned, self._private
-            self._pinned, self._private = [], []
+            self._tail = None  # nothing more is written; a deferred release keeps only keys
             try:
-                self.store.backend.unpin(pinned)
-                if delete_private and private:
-                    self.store.backend.delete_many(private)
+                if self._pinned:
+                    self.store.backend.unpin(self._pinned)
+                self._pinned = []
+                if delete_private and self._private:
+                    self.store.backend.delete_many(self._private)
+                self._private = []
             except StoreError as e:
-                log.warning("could not release request %s in the store: %s", self.request_id, e)
+                log.warning("could not release request %s in the store (retried after the next release): %s",
+                            self.request_id, e)
+                self.store.defer_release(self, delete_private)
+                return False
+        return True
+
+    @property
+    def unreleased(self) -> int:
+        """Keys this request still holds in the store (pinned or its own), 0 once released."""
+        return len(self._pinned) + len(self._private)

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from remote_store.backends.base import ByteStore, StoreError
-from remote_store.backends.memory import MemoryStore
+from remote_store.backends.memory import DEFAULT_PIN_TTL_S, MemoryStore
 from remote_store.proto import MAX_MESSAGE_BYTES, store_pb2, store_pb2_grpc
 
 log = logging.getLogger("remote_store.server")
@@ -164,8 +164,11 @@ def serve(args: argparse.Namespace, store: ByteStore, what: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = server_args("python -m remote_store.server", __doc__)
     p.add_argument("--capacity-bytes", type=int, default=1 << 30, help="LRU capacity (0: unbounded)")
+    p.add_argument("--pin-ttl-s", type=float, default=DEFAULT_PIN_TTL_S,
+                   help="a pin's lease: a client that never unpins (it died) holds records no longer than this")
     args = p.parse_args(argv)
-    return serve(args, MemoryStore(args.capacity_bytes), f"store (capacity {args.capacity_bytes} bytes)")
+    return serve(args, MemoryStore(args.capacity_bytes, pin_ttl_s=args.pin_ttl_s),
+                 f"store (capacity {args.capacity_bytes} bytes, pins lease {args.pin_ttl_s:g} s)")
 
 
 if __name__ == "__main__":

@@ -86,8 +86,9 @@ class StoreServer:
     """``python -m remote_store.server`` in a subprocess."""
 
     def __init__(self, tmp: Path, capacity_bytes: int = 1 << 30, token: str | None = "test-token",
-                 tls: tuple[Path, Path] | None = None):
+                 tls: tuple[Path, Path] | None = None, pin_ttl_s: float | None = None):
         self.tmp = tmp
+        self.pin_ttl_s = pin_ttl_s
         self.token = token
         self.tls = tls
         self.capacity_bytes = capacity_bytes
@@ -108,6 +109,8 @@ class StoreServer:
         if self.token:
             (self.tmp / "token").write_text(self.token)
             args += ["--auth-token-file", str(self.tmp / "token")]
+        if self.pin_ttl_s is not None:
+            args += ["--pin-ttl-s", str(self.pin_ttl_s)]
         if self.tls:
             args += ["--tls-cert", str(self.tls[0]), "--tls-key", str(self.tls[1])]
         (self.tmp / "port").unlink(missing_ok=True)

@@ -4,6 +4,7 @@ error or falls back to recomputing; no unverified token is ever emitted; the sto
 Each test starts servers of its own, since it kills, restarts, corrupts or fills them.
 """
 
+import time
 import uuid
 
 import pytest
@@ -197,6 +198,26 @@ def test_grpc_store_full_of_pinned_chunks_refuses_clearly(tmp_path):
         store.unpin(["a"])
         store.put_many([("c", bytes(100 << 10))])
         assert store.exists_many(["a", "b", "c"]) == [False, True, True]
+    finally:
+        server.stop()
+
+
+def test_grpc_pins_of_a_client_that_never_unpins_lapse(tmp_path):
+    """A client that died holding pins (or lost its unpin with its connection) cannot keep records
+    from eviction past the server's pin lease."""
+    server = StoreServer(tmp_path, capacity_bytes=256 << 10, pin_ttl_s=1.0)
+    try:
+        store = open_store(server.url)
+        store.pin(["a", "b"])
+        store.put_many([("a", bytes(120 << 10)), ("b", bytes(120 << 10))])
+        store.close()  # gone without unpinning
+        store = open_store(server.url)
+        with pytest.raises(StoreError, match=r"RESOURCE_EXHAUSTED.*pinned"):
+            store.put_many([("c", bytes(100 << 10))])
+        time.sleep(1.2)
+        store.put_many([("c", bytes(100 << 10))])
+        assert store.exists_many(["a", "b", "c"]) == [False, True, True]
+        assert store.stats()["pins_expired"] == 2
     finally:
         server.stop()
 

@@ -2,10 +2,11 @@ import time
 
 import pytest
 import torch
+from faults import HookedStore
 
 from remote_store import open_store
 from remote_store.backends.base import StoreError
-from remote_store.backends.memory import MemoryStore
+from remote_store.backends.memory import MemoryStore, default_capacity_bytes
 from remote_store.codec import ChunkError
 from remote_store.fullkv import FullKVStore
 from vericache_sglang.core.kv import KVLayout
@@ -162,9 +163,33 @@ def test_ttl_collects_unpinned_records():
     assert s.get_many(["a", "b"]) == [None, b"2"]
 
 
+def test_a_pin_is_a_lease():
+    """A holder that never unpins (a client that died) protects its records until the lease ends;
+    one that pins again renews it."""
+    s = MemoryStore(capacity_bytes=1000, pin_ttl_s=0.2)
+    s.put_many([(f"k{i}", b"x" * 200) for i in range(5)])
+    s.pin(["k0", "k1"])
+    assert s.stats()["pinned_keys"] == 2
+    time.sleep(0.12)
+    s.pin(["k1"])  # renewed: k1's lease runs 0.2 s from now, k0's ends in 0.08 s
+    time.sleep(0.12)
+    s.put_many([("k5", b"y" * 400)])  # the two least recent unpinned records go: k0 (lapsed) and k2
+    assert s.exists_many(["k0", "k1", "k2", "k3", "k4", "k5"]) == [False, True, False, True, True, True]
+    assert s.stats()["pins_expired"] == 1 and s.stats()["pinned_keys"] == 1
+    s.unpin(["k1"])
+    s.unpin(["k1"])  # a second unpin of a released pin changes nothing
+    assert s.stats()["pinned_keys"] == 0
+
+
 def test_open_store_urls():
     assert isinstance(open_store("memory://"), MemoryStore)
     assert open_store("memory://?capacity_bytes=123").capacity_bytes == 123
+    # a server's embedded store is bounded unless told otherwise: shared prompt chunks have no TTL
+    assert open_store("memory://").capacity_bytes == default_capacity_bytes() > 0
+    assert open_store("memory://?capacity_bytes=0").capacity_bytes == 0
+    assert open_store("memory://?pin_ttl_s=5").pin_ttl_s == 5.0
+    with pytest.raises(ValueError, match="capacity_bytes and pin_ttl_s, not capacity"):
+        open_store("memory://?capacity=5")
     with pytest.raises(ValueError, match="unknown store URL"):
         open_store("ftp://x")
 
@@ -176,3 +201,44 @@ def test_write_must_be_contiguous():
         req.write(5, kv_span(lay, 3))
     with pytest.raises(ValueError, match="only 20 tokens"):
         req.write(0, kv_span(lay, 25))
+
+
+class RefusingUnpins(HookedStore):
+    """A real memory store whose unpins fail while ``down`` (a store unreachable at release)."""
+
+    def __init__(self, inner: MemoryStore):
+        super().__init__(inner, lambda n: None)
+        self.down = False
+
+    def unpin(self, keys):
+        if self.down:
+            raise StoreError("injected: store unreachable")
+        self.inner.unpin(keys)
+
+    def delete_many(self, keys):
+        if self.down:
+            raise StoreError("injected: store unreachable")
+        return self.inner.delete_many(keys)
+
+
+def test_a_release_the_store_refused_is_retried_after_the_next_one():
+    lay = layout()
+    backend = RefusingUnpins(MemoryStore())
+    store = FullKVStore(backend, lay, chunk_tokens=16)
+    reqs = []
+    for i in range(3):
+        req = store.open_request([i, *range(1, 40)])  # two shared chunks and a private tail each
+        req.write(0, kv_span(lay, 40, seed=i))
+        reqs.append(req)
+    backend.down = True
+    reqs[0].release()  # refused: the request finished anyway, what it holds is kept
+    reqs[1].release()
+    # pinned: two shared chunks and the tail, 3 layers each; its own: the tail
+    assert reqs[0].unreleased == reqs[1].unreleased == 3 * 3 + 3
+    assert backend.inner.stats()["pinned_keys"] == 3 * 3 * 3  # nothing was unpinned
+    assert backend.inner.stats()["keys"] == 3 * 3 * 3  # nor deleted
+    backend.down = False
+    reqs[2].release()  # the store answers again: the two deferred releases follow this one
+    assert [r.unreleased for r in reqs] == [0, 0, 0]
+    stats = backend.inner.stats()
+    assert stats["pinned_keys"] == 0 and stats["keys"] == 3 * 2 * 3  # the shared chunks stay, no tail

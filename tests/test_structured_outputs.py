@@ -14,7 +14,7 @@ from conftest import PROMPTS
 
 from vericache_sglang.core.compress import RECOMMENDED
 from vericache_sglang.core.sampling import SamplingParams
-from vericache_sglang.engine.constraint import ConstraintError
+from vericache_sglang.engine.constraint import ConstraintCompiler, ConstraintError
 from vericache_sglang.engine.engine import compare
 
 pytestmark = pytest.mark.real_model
@@ -86,6 +86,29 @@ def test_formats_that_cannot_be_compiled_say_why(real_engine):
                          ({"type": "ebnf", "ebnf": "root ::= "}, "response_format: ")]:
         with pytest.raises(ConstraintError, match=message):
             real_engine.constraint(bad)
+
+
+def test_the_compiled_grammar_cache_is_bounded(real_engine):
+    """A server compiles every client's schema: its cache keeps what fits its limit, least recently
+    used out first, instead of every distinct schema for the life of the process."""
+    def schema(i: int) -> dict:
+        props = {f"field_{i}_{j}": {"type": "string", "maxLength": 8 + j} for j in range(4)}
+        return {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": props,
+                                                                   "required": list(props)}}}
+
+    vocab = real_engine.runner.vocab_size
+    unbounded = ConstraintCompiler(real_engine.tokenizer, vocab)
+    unbounded.compile(schema(0))
+    one = unbounded.cache_bytes()
+    assert one > 0
+    bounded = ConstraintCompiler(real_engine.tokenizer, vocab, cache_limit_bytes=3 * one)
+    for i in range(1, 11):
+        unbounded.compile(schema(i))
+        bounded.compile(schema(i))
+    assert unbounded.cache_bytes() >= 8 * one  # the default limit keeps them all
+    assert bounded.cache_bytes() <= 3.5 * one  # xgrammar may pass its limit by a little
+    with pytest.raises(ValueError, match="cache_limit_bytes"):
+        ConstraintCompiler(real_engine.tokenizer, vocab, cache_limit_bytes=0)
 
 
 @pytest.fixture(scope="module")

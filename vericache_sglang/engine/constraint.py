@@ -84,16 +84,29 @@ class ConstraintState:
             self.matcher.rollback(n)
 
 
-class ConstraintCompiler:
-    """Compiles response formats for one tokenizer (xgrammar caches what it compiled)."""
+# What xgrammar's cache of compiled grammars may hold: a server compiles every client's schema, and
+# an unbounded cache grows with each distinct one for the life of the process (LRU beyond this).
+DEFAULT_CACHE_LIMIT_BYTES = 256 << 20
 
-    def __init__(self, tokenizer: Any, vocab_size: int):
+
+class ConstraintCompiler:
+    """Compiles response formats for one tokenizer (xgrammar caches what it compiled, up to
+    ``cache_limit_bytes``)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES):
         import xgrammar as xgr
 
         if tokenizer is None:
             raise ConstraintError("constrained decoding needs the model's tokenizer")
+        if cache_limit_bytes <= 0:
+            raise ValueError(f"cache_limit_bytes must be > 0, got {cache_limit_bytes}")
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size),
+                                             cache_limit_bytes=cache_limit_bytes)
+
+    def cache_bytes(self) -> int:
+        """What the compiled-grammar cache holds now."""
+        return int(self._compiler.get_cache_size_bytes())
 
     def compile(self, response_format: dict[str, Any]) -> Constraint:
         """An OpenAI ``response_format`` (``{"type": "json_object"}``, ``{"type": "json_schema",

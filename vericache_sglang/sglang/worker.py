@@ -187,6 +187,7 @@ class VeriCacheWorker(BaseSpecWorker):
         raise RuntimeError(f"VERICACHE runs EXTEND and DECODE batches, got {batch.forward_mode}")
 
     def _prefill(self, batch: Any, on_publish: Any) -> Any:
+        self._tree()  # the tree's release listener, before any request keeps anything here (a plan, query tails)
         fb = self.forwards.prefill(batch)
         with self._capture.capturing():
             result = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
