@@ -30,6 +30,16 @@ def test_longctx_quick(tmp_path):
     assert 0.0 <= out["hidden_transfer_fraction"] <= 1.0
     for name in ("longctx_quick.json", "longctx_quick.md", "longctx_quick_budget.png", "longctx_quick_link.png"):
         assert (tmp_path / name).is_file()
+    rows = json.loads((tmp_path / "longctx_quick.json").read_text())["rows"]
+    for r in rows:
+        assert r["rows"] > 0 and r["ms_per_iteration"] > 0 and r["gflop_s"] > 0
+        if r["mode"].startswith("vericache"):
+            # every committed token but the prefill's took a verify row, and drafts came before them;
+            # the verify rows read the whole full KV, so a token costs more arithmetic than resident's
+            assert r["rows_per_token"] > 1 and r["compute_bound_tok_s"] > 0
+            assert r["gflop_per_token"] > next(p["gflop_per_token"] for p in rows if p["mode"] == "full_resident")
+            # the emulated link moved every fetched byte at its bandwidth: nothing beats that ceiling
+            assert r["throughput_tok_s"] <= r["link_bound_tok_s"]
 
 
 def test_prefix_quick(tmp_path):

@@ -195,3 +195,20 @@ def test_a_sliding_window_layer_matches_compressing_the_whole_sequence(tiny_runn
         assert torch.equal(layer.keys, want.keys) and torch.equal(layer.values, want.values)
         assert torch.equal(layer.positions, want.positions)
     assert [layer._keys_rows._buf.data_ptr() for layer in ckv.layers] == buffers
+
+
+def test_the_runner_counts_the_keys_each_row_attends_and_their_flops(tiny_runner, prompt):
+    """Cost accounting for the benchmarks: a segment of n rows over c cached tokens scores n x
+    (c + n) keys per layer (the causal mask's zeros included: the kernel computes them)."""
+    layers = tiny_runner.layout.num_layers
+    resident = ResidentKV(tiny_runner.layout, 64)
+    before = tiny_runner.attended_keys
+    tiny_runner.forward([Segment(prompt[:40], list(range(40)), resident, logits="none")])
+    tiny_runner.forward([Segment(prompt[40:44], list(range(40, 44)), resident),
+                         Segment(prompt[:1], [0], ResidentKV(tiny_runner.layout, 4))])
+    assert tiny_runner.attended_keys - before == layers * (40 * 40 + 4 * 44 + 1 * 1)
+    one_row = tiny_runner.flops(1, 0)
+    params = sum(p.numel() for p in tiny_runner.layers.parameters() if p.dim() == 2) + \
+        tiny_runner.lm_head.weight.numel()
+    assert one_row == 2 * params and tiny_runner.flops(3, 10) == 3 * one_row + \
+        4 * tiny_runner.num_heads * tiny_runner.head_dim * 10

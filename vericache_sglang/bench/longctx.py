@@ -89,7 +89,8 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
                 "verify_passes": st.verify_passes, "fetched_bytes": st.fetched_bytes,
                 "transfer_s": st.transfer_s, "stall_s": st.stall_s,
                 "hidden_transfer_fraction": st.hidden_transfer_fraction if st.transfer_s else None,
-                "waiting_iterations": st.waiting_iterations,
+                "waiting_iterations": st.waiting_iterations, "rows": st.rows,
+                "gflop": runner.flops(st.rows, st.attended_keys) / 1e9,
                 "identical": all(c["identical"] for c in cmps),
                 "max_logit_abs_diff": max((c["max_logit_abs_diff"] or 0.0) for c in cmps),
                 "mean_accepted_length": _mean([o.stats.mean_accepted_length for o in outputs if o.stats.committed]),
@@ -99,10 +100,36 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
                 f"{spec if len(specs) > 1 and mode in ('lossy', 'vericache') else ''} "
                 f"running<= {row['peak_running']} identical={row['identical']} "
                 f"hidden={_fmt(row['hidden_transfer_fraction'])}")
+    _add_bounds(rows)
     summary = _summary(cfg, rows, probe)
     if out_dir is not None:
         _write(out_dir, cfg, rows, summary, quick)
     return summary
+
+
+def _add_bounds(rows: list[dict]) -> None:
+    """What each run's cost was, and two ceilings on VeriCache at its point, from the same run:
+    ``link_bound_tok_s`` if the link moved its fetched bytes back to back with nothing else in the
+    way, ``compute_bound_tok_s`` if its arithmetic (drafts, and verifies attending to the full KV)
+    ran at the best rate a full-KV or lossy batch reached at that point. Where resident decoding
+    beats the lower of the two, no schedule of these verifications can reach it."""
+    for r in rows:
+        r["ms_per_iteration"] = 1000 * r["wall_s"] / r["iterations"] if r["iterations"] else None
+        r["tokens_per_iteration"] = r["generated_tokens"] / r["iterations"] if r["iterations"] else None
+        r["rows_per_token"] = r["rows"] / r["generated_tokens"] if r["generated_tokens"] else None
+        r["gflop_per_token"] = r["gflop"] / r["generated_tokens"] if r["generated_tokens"] else None
+        r["gflop_s"] = r["gflop"] / r["wall_s"] if r["wall_s"] else None
+    for r in rows:
+        peers = [p for p in rows if (p["budget_full_kv"], p["link_ratio"]) == (r["budget_full_kv"], r["link_ratio"])]
+        r["resident_tok_s"] = next((p["throughput_tok_s"] for p in peers if p["mode"] == "full_resident"), None)
+        if not r["mode"].startswith("vericache"):
+            continue
+        r["link_bound_tok_s"] = r["generated_tokens"] * r["link_bytes_s"] / r["fetched_bytes"] \
+            if r["fetched_bytes"] else None
+        best_rate = max((p["gflop_s"] or 0.0 for p in peers if not p["mode"].startswith("vericache")), default=0.0)
+        r["compute_bound_tok_s"] = r["generated_tokens"] * best_rate / r["gflop"] if best_rate and r["gflop"] else None
+        bounds = [b for b in (r["link_bound_tok_s"], r["compute_bound_tok_s"]) if b]
+        r["of_bound"] = r["throughput_tok_s"] / min(bounds) if bounds else None
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -143,7 +170,16 @@ def _write(out_dir: Path, cfg: dict, rows: list[dict], summary: dict, quick: boo
           + f", x={cfg['horizon']}; budgets in full-KV units "
           f"({rows[0]['budget_bytes'] / rows[0]['budget_full_kv'] / 2**20:.0f} MiB each); memory "
           f"{summary['memory_probe_text']}, links at the ratios shown against its median.", "",
-          table(rows, cols)]
+          table(rows, cols), "",
+          "Where the time went, and VeriCache's ceilings at each point from the same run: `gflop_per_token` "
+          "counts every row's matmuls and its attention over the keys it read; `link_bound_tok_s` if the link "
+          "moved the fetched bytes back to back, `compute_bound_tok_s` if VeriCache's arithmetic ran at the "
+          "best `gflop_s` a full-KV or lossy batch reached at that point; `of_bound` = throughput / the lower "
+          "of the two.", "",
+          table(rows, ["mode"] + (["compressor"] if several else []) + [
+              "budget_full_kv", "link_ratio", "throughput_tok_s", "resident_tok_s", "ms_per_iteration",
+              "tokens_per_iteration", "rows_per_token", "gflop_per_token", "gflop_s", "link_bound_tok_s",
+              "compute_bound_tok_s", "of_bound"])]
     (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
     ratio0, budget0 = cfg["default_link_ratio"], cfg["default_budget_full_kv"]
     plot_lines(out_dir / f"{stem}_budget.png", rows, x="budget_full_kv", series="series",

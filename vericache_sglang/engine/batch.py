@@ -81,6 +81,8 @@ class BatchStats:
     verify_passes: int = 0
     waiting_iterations: int = 0  # request-iterations spent in the scheduler's waiting queue
     max_verifies_per_iteration: int = 0  # how bunched verifications (and their reloads) are
+    rows: int = 0  # token rows the forwards computed (drafts, verifies, decodes)
+    attended_keys: int = 0  # (row, key) pairs their attention scored, over layers: with rows, the compute spent
 
     @property
     def throughput_tok_s(self) -> float:
@@ -375,7 +377,7 @@ class BatchEngine:
                 keep = int(self.batch.mode == "lossy" and req.compressor.update_queries)
                 segments.append(Segment([req.tokens[-1]], [pos], ctx, logits="last", keep_queries=keep))
                 owners.append(req)
-            outs = self.runner.forward(segments) if segments else []
+            outs = self._forward(segments)
             for req, out in zip(owners, outs, strict=True):
                 pos = len(req.tokens) - 1
                 if self.batch.mode == "lossy":
@@ -394,6 +396,16 @@ class BatchEngine:
                     req.kv.release()
                 self._finish(rid, req.result())
             used = self._join(running, used)
+
+    def _forward(self, segments: list[Segment]) -> list[SegmentOutput]:
+        if not segments:
+            return []
+        self.stats.rows += sum(len(s.tokens) for s in segments)
+        before = self.runner.attended_keys
+        try:
+            return self.runner.forward(segments)
+        finally:
+            self.stats.attended_keys += self.runner.attended_keys - before
 
     def _end_iteration(self, running: dict) -> None:
         self.stats.iterations += 1
@@ -438,7 +450,7 @@ class BatchEngine:
                         owners.append((rid, req, False))
                 else:
                     self.stats.waiting_iterations += 1
-            outs = self.runner.forward(segments) if segments else []
+            outs = self._forward(segments)
             to_admit, finished = [], []
             for (rid, req, is_verify), out in zip(owners, outs, strict=True):
                 if not is_verify:
@@ -481,7 +493,7 @@ class BatchEngine:
         for req in reqs:
             req.begin_window(max(1, req.next_horizon()))
         t = time.monotonic()
-        self.runner.forward([req.draft_segment() for req in reqs if req.drafting])
+        self._forward([req.draft_segment() for req in reqs if req.drafting])
         return max(time.monotonic() - t, 1e-4)
 
     def _finish_done(self, running: dict, used: int) -> int:
@@ -535,14 +547,14 @@ class BatchEngine:
                 req.begin_window(req.next_horizon(x))
             for _ in range(x):
                 drafting = [req for req in reqs if req.drafting]
-                outs = self.runner.forward([r.draft_segment() for r in drafting]) if drafting else []
+                outs = self._forward([r.draft_segment() for r in drafting])
                 for req, out in zip(drafting, outs, strict=True):
                     req.take_draft(out)
                 self._end_iteration(running)
             self.stats.max_verifies_per_iteration = max(self.stats.max_verifies_per_iteration, len(reqs))
             for req in reqs:
                 self.stats.stall_s += req.wait_fetch()
-            outs = self.runner.forward([req.verify_segment() for req in reqs])
+            outs = self._forward([req.verify_segment() for req in reqs])
             for req, out in zip(reqs, outs, strict=True):
                 self._account_fetch(req.feed, None)
                 req.take_verify(out)

@@ -219,6 +219,16 @@ class ModelRunner:
         if row_bucket < 0:
             raise ValueError(f"row_bucket must be >= 0, got {row_bucket}")
         self.row_bucket, self.row_attention = row_bucket, row_attention
+        # The work every forward did, for cost accounting: (row, key) pairs attention scored, summed
+        # over layers; a row's matmuls are the weights' (``flops``).
+        self.attended_keys = 0
+        self._matmul_params = sum(p.numel() for p in self.layers.parameters() if p.dim() == 2) + \
+            self.lm_head.weight.numel()
+
+    def flops(self, rows: int, attended_keys: int) -> float:
+        """Floating-point operations of ``rows`` token rows through every layer and the head, with
+        attention over ``attended_keys`` (row, key) pairs across layers (QK and PV)."""
+        return 2.0 * self._matmul_params * rows + 4.0 * self.num_heads * self.head_dim * attended_keys
 
     @property
     def vocab_size(self) -> int:
@@ -279,6 +289,7 @@ class ModelRunner:
                 if seg.keep_queries:
                     q_out[si].append(qs[:, max(0, b - a - seg.keep_queries):].clone())
                 keys, values = seg.context.attend_kv(li, ks, vs, qs)
+                self.attended_keys += (b - a) * keys.shape[1]
                 if timeline is not None and si == 0:
                     timeline.layer_start.append(time.monotonic())
                 outs.append(self._attention(qs, keys, values))
