@@ -163,10 +163,8 @@ class MemoryStore(ByteStore):
         for key in expired:
             self._drop(key)
         self._counters["expired"] += len(expired)
-        lapsed = [k for k, (_, lease) in self._pins.items() if lease <= now]  # pins of keys gone or never read
-        for key in lapsed:
-            del self._pins[key]
-        self._counters["pins_expired"] += len(lapsed)
+        for key in list(self._pins):  # lapsed pins of keys deleted or never read again go too
+            self._pinned(key, now)
 
     def stats(self) -> dict[str, object]:
         now = time.monotonic()
