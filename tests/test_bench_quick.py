@@ -1,5 +1,7 @@
-"""The two pipelines' quick configurations on SmolLM2 (CI): every VeriCache output identical to
-full-KV decoding, and the summary keys the README and the issue name."""
+"""The benchmark scripts' quick runs on SmolLM2 (the heavy set, ``-m bench``): every VeriCache
+output identical to full-KV decoding, and the summary keys the README and the issues name. The
+default set keeps the checks that refuse a bad configuration before the model loads; the batch
+engine's exactness in every mode is ``tests/test_batch.py``, the remote prefixes' ``tests/test_serve_prefix.py``."""
 
 import json
 import subprocess
@@ -23,6 +25,8 @@ def bench(which, tmp_path, config: str | None = None):
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_longctx_quick(tmp_path):
     out = bench("longctx", tmp_path)
     assert out["identical"] is True
@@ -42,6 +46,8 @@ def test_longctx_quick(tmp_path):
             assert r["throughput_tok_s"] <= r["link_bound_tok_s"]
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_prefix_quick(tmp_path):
     out = bench("prefix", tmp_path)
     assert out["identical"] is True
@@ -50,6 +56,7 @@ def test_prefix_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_compressors_side_by_side_quick(tmp_path):
     """The re-runs of issue #16 (longctx_drafting.json, prefix_drafting.json): several compressors
     in one run, drafting modifiers included, every output identical."""
@@ -63,6 +70,8 @@ def test_compressors_side_by_side_quick(tmp_path):
     assert "| compressor |" in (tmp_path / "prefix_drafting_quick.md").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_drafting_quick(tmp_path):
     """benchmarks/drafting.py --quick: every table written, the replay equal to the live run it
     is checked against, the RAG peers identical to full-KV decoding."""
@@ -78,6 +87,8 @@ def test_drafting_quick(tmp_path):
     assert (tmp_path / "drafting.png").is_file() and "RAG setting" in (tmp_path / "drafting.md").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_acceptance_quick(tmp_path):
     """benchmarks/acceptance.py --quick: the estimator agrees with the live run it is checked
     against, and the table, plots and KL curves are written."""
@@ -100,6 +111,8 @@ def test_acceptance_quick(tmp_path):
         assert (tmp_path / name).is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_step_cost_quick(tmp_path):
     """vericache bench steps --quick (tiny model): every iteration kind timed against its bytes at
     the probe's bandwidth, the probe's spread reported, the profile written."""

@@ -1,7 +1,9 @@
 """The demo cluster: docker-compose.yml checked by Docker Compose's own ``config`` (no engine runs
-here), the no-Docker runner's reading of it checked against Compose's, and the cpu profile run end
-to end on loopback: two servers sharing documents through the store, the RAG client's answers
-identical to full-KV decoding, metrics scraped, a clean shutdown."""
+here), the no-Docker runner's reading of it checked against Compose's, and (heavy set) each profile
+run end to end on loopback: two servers sharing documents through the store, the RAG client's
+answers identical to full-KV decoding, metrics scraped, a clean shutdown. In the default set, a
+prompt prefix one process wrote to a shared store is reused by another, identical to full-KV
+decoding: ``tests/test_real_model.py::test_cli_store_backends_and_prefix_shared_across_processes``."""
 
 import json
 import subprocess
@@ -126,6 +128,7 @@ def test_localize_maps_hosts_ports_and_secrets():
 
 
 @pytest.mark.real_model
+@pytest.mark.slow
 def test_cluster_end_to_end(tmp_path):
     without = ()
     if not (REPO / ".venv-lmcache" / "bin" / "python").exists():

@@ -1,5 +1,6 @@
-"""benchmarks/gpu_bench.sh: checked here on CPU for its arguments and every section on tiny
-shapes; the GPU run itself happens only on a lent GPU machine (skipped without CUDA)."""
+"""benchmarks/gpu_bench.sh: checked here on CPU for its arguments (default set) and every section on
+tiny shapes (heavy set); the GPU run itself happens only on a lent GPU machine (skipped without
+CUDA)."""
 
 import json
 import os
@@ -17,6 +18,8 @@ def run(*args, timeout=600):
     return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_quick_cpu_run_writes_every_section(tmp_path):
     # the time box is the GPU session's budget; on CPU it must not make the check depend on machine speed
     done = run("--device", "cpu", "--quick", "--minutes", "30", "--out", str(tmp_path), timeout=1800)

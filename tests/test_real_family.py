@@ -1,5 +1,7 @@
 """Every compressor, and a composition, at its defaults on SmolLM2: VeriCache output identical to
-full-KV greedy decoding on one real 2,297-token prompt, 48 new tokens, the reference computed once."""
+full-KV greedy decoding on one real 2,297-token prompt, 24 new tokens in windows of 8 (three or more
+verifications, each followed by the compressor's commit), the reference computed once. The long
+runs (256 tokens, x=16 and 32, seeded sampling, three prompts) are the heavy set's matrix."""
 
 import pytest
 
@@ -8,7 +10,7 @@ from vericache_sglang.engine.engine import compare
 
 pytestmark = pytest.mark.real_model
 
-NEW_TOKENS = 48
+NEW_TOKENS = 24
 SPECS = [*sorted(COMPRESSORS), "snapkv:ratio=0.25+kivi:bits=4"]
 
 
@@ -24,7 +26,7 @@ def reference(real_engine, pre):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_identical_to_full_kv(real_engine, pre, reference, spec, exactness):
-    cfg = real_engine.config(max_new_tokens=NEW_TOKENS, keep_logits=True, horizon=16)
+    cfg = real_engine.config(max_new_tokens=NEW_TOKENS, keep_logits=True, horizon=8)
     res = real_engine.generate(pre, "vericache", spec, cfg)
     cmp = compare(reference, res)
     exactness(f"SmolLM2 prose greedy {spec} (family)", cmp, accepted_length=res.stats.mean_accepted_length,

@@ -125,7 +125,8 @@ def test_cli_prompt_longer_than_context(tmp_path):
 
 
 @pytest.mark.service
-@pytest.mark.parametrize("which", ["redis_url", "store_url", "lmcache_url"])
+@pytest.mark.parametrize("which", [pytest.param("redis_url", marks=pytest.mark.slow), "store_url",
+                                   pytest.param("lmcache_url", marks=pytest.mark.slow)])
 def test_cli_store_backends_and_prefix_shared_across_processes(request, which):
     import uuid
 

@@ -1,8 +1,9 @@
 """Where the full KV lives, end to end in real SGLang servers: ``full_kv`` "store" (our gRPC store,
 Redis) and "host" (SGLang's host pool, reloaded per layer for each verification), with both
 SGLang-path compressors and, on the host, with the drafting modifiers; every answer is stock
-SGLang's. CI runs one compressor per mode and the modifiers on the host; the whole matrix and the
-host mode's memory saving are in the slow set."""
+SGLang's. The default set runs one compressor per place away from the device (the device itself:
+``tests/test_sglang_e2e.py``, ``tests/test_sglang_e2e_modifiers.py``); the whole matrix, the
+modifiers on the host and the host mode's memory saving are in the heavy set."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def _config(compressor: str, full_kv: str, store: str | None = None) -> dict:
 
 
 def _questions() -> list[Ask]:
-    return [Ask(prompt("prose"), "completion", params={"logprobs": 1}),
-            Ask(prompt("code"), "chat", stream=True, max_tokens=48)]
+    return [Ask(prompt("prose"), "completion", max_tokens=32, params={"logprobs": 1}),
+            Ask(prompt("code"), "chat", stream=True, max_tokens=24)]
 
 
 def _check_identical(stock, server, exactness, name):
@@ -69,6 +70,7 @@ def test_each_full_kv_place_answers_as_stock(request, stock_server, sglang_logs,
         server.stop()
 
 
+@pytest.mark.slow
 def test_modifiers_with_the_full_kv_on_the_host(stock_server, sglang_logs, exactness):
     """The drafting modifiers (``+refresh``, ``+lookup``) with ``full_kv: "host"``: each request's
     KV leaves the device after every verification and is reloaded for the next; refresh reads it

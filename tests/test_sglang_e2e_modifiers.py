@@ -32,18 +32,18 @@ def refreshing(sglang_logs):
 
 def test_refresh_and_lookup_answer_as_stock_alone_and_in_a_batch(stock_server, refreshing, exactness):
     before = refreshing.metrics()
-    same_as_stock(stock_server, refreshing, [Ask(prompt("prose"), "completion", params={"logprobs": 1}),
-                                             Ask(prompt("code"), "chat", stream=True, max_tokens=48),
-                                             Ask(COPY + prompt("code", 400), "chat", max_tokens=96)],
+    same_as_stock(stock_server, refreshing, [Ask(prompt("prose"), "completion", max_tokens=32, params={"logprobs": 1}),
+                                             Ask(prompt("code"), "chat", stream=True, max_tokens=24),
+                                             Ask(COPY + prompt("code", 400), "chat", max_tokens=64)],
                   exactness, "refresh+lookup")
     _, got = same_as_stock(stock_server, refreshing, [
-        Ask(prompt("tools", 1200), "chat", max_tokens=40),
+        Ask(prompt("tools", 1200), "chat", max_tokens=24),
         Ask("Describe Ada Lovelace as a JSON object with her name and age.", "chat", max_tokens=64,
             params={"response_format": PERSON_FORMAT}),
         Ask("def quicksort(arr):", "completion", max_tokens=56, params={"stop": ["\ndef "]}),
         Ask("The capital of France is", "completion", max_tokens=30, params={"stop": ["."]}),
-        Ask(prompt("prose", 1400), "completion", max_tokens=32),
-        Ask(COPY + prompt("code", 300), "completion", max_tokens=64),
+        Ask(prompt("prose", 1400), "completion", max_tokens=16),
+        Ask(COPY + prompt("code", 300), "completion", max_tokens=48),
     ], exactness, "refresh+lookup batch")
     jsonschema.validate(json.loads(got[1].text), PERSON)
     after = refreshing.metrics()
@@ -83,7 +83,7 @@ def test_refresh_over_a_shared_documents_compressed_copy(stock_server, refreshin
     document = prompt("prose", 1200)
     before = refreshing.metrics()
     for i, text in enumerate(["What is a block?", "What does the global statement change?"]):
-        q = Ask(text, "chat", max_tokens=32, system=document)
+        q = Ask(text, "chat", max_tokens=16, system=document)
         cmp = compare_answers(ask(stock_server, q), ask(refreshing, q))
         exactness(f"sglang refresh+lookup radix prefix, question {i + 1}", cmp)
         assert cmp["identical"], cmp
