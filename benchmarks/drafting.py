@@ -190,12 +190,13 @@ def rag_peers(engine, cfg: dict, log) -> list[dict]:
     Live VeriCache runs (the request's own tokens are drafted over the compressed document, so the
     window-by-window replay does not apply), each output compared with full-KV decoding."""
     from remote_store.backends.memory import MemoryStore
-    from remote_store.fullkv import FullKVStore
     from vericache_sglang.bench.prefix import common_prefix, document_text
     from vericache_sglang.core.compress import parse_spec
-    from vericache_sglang.engine.decode import generate_full, generate_vericache_from_prefix, prefill
+    from vericache_sglang.engine.decode import generate_full, generate_vericache_from_prefix
     from vericache_sglang.engine.engine import compare
+    from vericache_sglang.engine.prefill import prefill
     from vericache_sglang.engine.prefix import PrefixRegistry
+    from vericache_sglang.full_kv.store import FullKVStore
 
     rag, runner = cfg["rag"], engine.runner
     doc = document_text(rag["document"])

@@ -4,7 +4,7 @@ seeded sampling at x=16, 256 new tokens, each against full-KV decoding computed 
 
 Writes ``matrix.json`` and ``matrix.md`` (accepted length with a repetition measure beside it, and
 where lossy decoding first diverges). Run: ``python benchmarks/exactness_matrix.py``; the slow test
-``tests/test_matrix_slow.py`` runs it and asserts every cell identical.
+``tests/engine/test_matrix_slow.py`` runs it and asserts every cell identical.
 """
 
 from __future__ import annotations

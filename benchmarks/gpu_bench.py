@@ -143,7 +143,7 @@ def section_decode(shape: str, device: str, dtype_name: str, quick: bool, deadli
 def section_kernels(device: str, quick: bool) -> dict:
     import torch
 
-    from vericache_sglang.core.compress.quant import dequantize, pack, quantize
+    from vericache_sglang.core.compress.quant.quant import dequantize, pack, quantize
     from vericache_sglang.kernels.dequant import dequantize_packed
 
     n = 256 if quick else 65536
@@ -180,12 +180,13 @@ def section_compressors(device: str, quick: bool, deadline: float, variants: lis
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from remote_store.backends.memory import MemoryStore
-    from remote_store.fullkv import FullKVStore
     from vericache_sglang.core.compress import parse_spec
-    from vericache_sglang.engine.decode import GenerationConfig, generate_full, generate_vericache, prefill
+    from vericache_sglang.engine.decode import GenerationConfig, generate_full, generate_vericache
     from vericache_sglang.engine.engine import compare
     from vericache_sglang.engine.model import LoadedModel
+    from vericache_sglang.engine.prefill import prefill
     from vericache_sglang.engine.runner import ModelRunner
+    from vericache_sglang.full_kv.store import FullKVStore
 
     rows = []
     for key in variants or list(VARIANTS):

@@ -2,7 +2,7 @@
 
 Runs in its own environment (kvpress pins transformers<5.3; ``scripts/setup_kvpress.sh`` makes
 ``.venv-kvpress``) and imports nothing from this project. The slow test
-``tests/test_kvpress_oracle.py`` compares its answer with this project's compressors on the same
+``tests/core/test_kvpress_oracle.py`` compares its answer with this project's compressors on the same
 prompt. Presses that prune the cache are read back by matching the kept keys to the full prefill's
 keys; presses that mask (AdaKV, KVzip) are read from the masked indices they leave on each layer.
 

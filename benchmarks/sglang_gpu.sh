@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # For an operator with a CUDA GPU and `pip install .[sglang]` (sglang 0.5.23 with its CUDA
 # dependencies). NOT RUN by this project: the same path runs on its CPUs in real SGLang servers
-# (tests/test_sglang_e2e*.py, `vericache bench sglang`), but its lent GPU machines have no sglang
+# (tests/sglang/test_sglang_e2e*.py, `vericache bench sglang`), but its lent GPU machines have no sglang
 # and sgl_kernel's CUDA build (hundreds of MB) cannot travel to them. What this script measures
 # (the GPU backends' masked TARGET_VERIFY, CUDA copies of full_kv=host, bf16 exactness under
 # deterministic inference) is therefore UNVERIFIED until an operator runs it.

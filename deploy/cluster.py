@@ -7,7 +7,7 @@ single host needs: a service's host name and port (``store:50051``) become ``127
 free port, ``/run/secrets/NAME`` becomes the secret's file, and executables come from the
 service's ``x-local.venv`` (default ``.venv``) with the checkout on ``PYTHONPATH`` (the images'
 ``/app``). Volumes are not mapped: local runs use this machine's model cache.
-tests/test_cluster.py checks that this reading of the file agrees with Docker Compose's own.
+tests/serve/test_cluster.py checks that this reading of the file agrees with Docker Compose's own.
 
     python deploy/cluster.py up [--profile cpu|sglang] [--exit-after-client] [--without lmcache]
 """

@@ -1,6 +1,6 @@
 """Triton kernel: unpack 2/4/8-bit codes and dequantize them with float16 scales and minima.
 
-It reads the layout of ``vericache_sglang.core.compress.quant`` (codes packed along the last dim,
+It reads the layout of ``vericache_sglang.core.compress.quant.quant`` (codes packed along the last dim,
 one (scale, min) per ``row_group`` rows and ``col_group`` columns), which is also its reference:
 ``quant.dequantize(quant.unpack(...))``. KIVI keys use ``row_group=group`` (per channel over a
 token group); KIVI values use ``col_group=group`` (per token over a channel group).

@@ -4,7 +4,7 @@ Drafting over a quantized cache is memory-bound: reading 2- or 4-bit codes inste
 values is the point, so the kernel never materialises dequantized K/V. Each program serves one
 query head: it walks its KV head's tokens in blocks, unpacks and dequantizes keys and values in
 registers (one float16 (scale, min) per ``row_group`` tokens and ``col_group`` channels, the layout
-of ``vericache_sglang.core.compress.quant``, which covers KIVI's per-channel keys, KIVI's and
+of ``vericache_sglang.core.compress.quant.quant``, which covers KIVI's per-channel keys, KIVI's and
 int4/int8's per-token values and keys), and keeps an online softmax.
 
 ``quant_attention_reference`` is the torch reference the kernel is tested against: dequantize,
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vericache_sglang.core.compress.quant import dequantize, unpack
+from vericache_sglang.core.compress.quant.quant import dequantize, unpack
 
 
 @dataclass(frozen=True)

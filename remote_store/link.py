@@ -2,7 +2,7 @@
 emulated transfer time is slept.
 
 The link is serial, as a PCIe lane or a NIC is: concurrent transfers queue behind each other.
-Bandwidth is meant to be set by ratio to the engine's own memory bandwidth (see DESIGN.md:
+Bandwidth is meant to be set by ratio to the engine's own memory bandwidth (the project's rule:
 what decides VeriCache's gain is device-memory bandwidth over link bandwidth, not GB/s).
 """
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The kvpress oracle's own environment (.venv-kvpress): kvpress pins transformers<5.3, which the main
 # environment (transformers 5.19.0) cannot share, so it runs apart and is only an oracle for the slow
-# faithfulness test (tests/test_kvpress_oracle.py), never a dependency. The oracle script runs from
+# faithfulness test (tests/core/test_kvpress_oracle.py), never a dependency. The oracle script runs from
 # the checkout: .venv-kvpress/bin/python benchmarks/kvpress_oracle.py ...
 set -euo pipefail
 cd "$(dirname "$0")/.."

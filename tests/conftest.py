@@ -140,8 +140,35 @@ def sglang_logs(tmp_path_factory):
     return tmp_path_factory.mktemp("sglang")
 
 
+def _session_uses(session: pytest.Session, fixture: str) -> bool:
+    return any(fixture in getattr(item, "fixturenames", ()) for item in session.items)
+
+
 @pytest.fixture(scope="session")
-def stock_server(sglang_logs):
+def _vericache_launch(sglang_logs, store_url):
+    """The shared VeriCache server's process, launched without waiting (``vericache_server`` waits)."""
+    pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
+    from sglang_e2e import vericache_config
+
+    from vericache_sglang.bench.sglang_server import SGLangServer
+
+    server = SGLangServer(sglang_logs, "vericache", *SGLANG_TEST_FLAGS, vericache=vericache_config(store_url),
+                          wait=False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vericache_server(_vericache_launch):
+    """The session's one ``--enable-vericache`` server in the shape users run (``sglang_e2e.vericache_config``:
+    SnapKV with both drafting modifiers, the full KV also in our gRPC store), shared by every module
+    that holds it to stock; other configurations start their own."""
+    _vericache_launch.wait_healthy()
+    return _vericache_launch
+
+
+@pytest.fixture(scope="session")
+def stock_server(request, sglang_logs):
     """Stock SGLang 0.5.23 on this CPU (no plugin flag): the reference every VeriCache server is held to.
 
     It schedules as a VeriCache server does, without overlap (``--enable-vericache`` implies
@@ -152,6 +179,8 @@ def stock_server(sglang_logs):
     pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
     from vericache_sglang.bench.sglang_server import SGLangServer
 
+    if _session_uses(request.session, "vericache_server"):
+        request.getfixturevalue("_vericache_launch")  # loads beside stock: the two starts overlap
     server = SGLangServer(sglang_logs, "stock", *SGLANG_TEST_FLAGS, "--disable-overlap-schedule")
     yield server
     server.stop()

@@ -283,9 +283,9 @@ def _add_prefix(sub: argparse._SubParsersAction) -> None:
 def cmd_prefix(args: argparse.Namespace) -> int:
     if args.server:
         return _prefix_via_server(args)
-    from remote_store.documents import DocumentCatalog
     from vericache_sglang.engine.engine import Engine
     from vericache_sglang.engine.prefix import document_tokens, store_document
+    from vericache_sglang.full_kv.documents import DocumentCatalog
 
     engine = Engine(args.model, store=args.store, namespace=args.store_namespace)
     if args.action == "remove":

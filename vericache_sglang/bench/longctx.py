@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 from remote_store.backends.memory import MemoryStore
-from remote_store.fullkv import FullKVStore
 from remote_store.link import LinkEmulator
 from vericache_sglang.bench.common import load_config, plot_lines, prompts_for, table
 from vericache_sglang.core.compress import parse_spec
-from vericache_sglang.engine.batch import BatchConfig, BatchEngine
+from vericache_sglang.engine.batch import BatchEngine
+from vericache_sglang.engine.batch_jobs import BatchConfig
 from vericache_sglang.engine.engine import Engine, compare
 from vericache_sglang.engine.hardware import Bandwidth, streaming_read_bandwidth
+from vericache_sglang.full_kv.store import FullKVStore
 
 MODES = {
     "full_resident": ("full_resident", "staggered"),

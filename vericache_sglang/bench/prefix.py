@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 
 from remote_store.backends.memory import MemoryStore
-from remote_store.fullkv import FullKVStore
 from remote_store.link import LinkEmulator
 from vericache_sglang.bench.common import PROMPTS, load_config, table
 from vericache_sglang.core.compress import parse_spec
-from vericache_sglang.engine.decode import generate_full, generate_vericache_from_prefix, prefill
+from vericache_sglang.engine.decode import generate_full, generate_vericache_from_prefix
 from vericache_sglang.engine.engine import Engine, compare
 from vericache_sglang.engine.hardware import Bandwidth, streaming_read_bandwidth
+from vericache_sglang.engine.prefill import prefill
 from vericache_sglang.engine.prefix import PrefixRegistry
+from vericache_sglang.full_kv.store import FullKVStore
 
 
 def document_text(name: str) -> str:

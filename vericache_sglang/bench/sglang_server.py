@@ -2,7 +2,7 @@
 own launch command, as a user runs it.
 
 ``python -m sglang.launch_server --device cpu --attention-backend torch_native --dtype float32`` with
-``SGLANG_USE_CPU_ENGINE=1`` (the CPU platform layer, ``vericache_sglang/sglang/cpu_platform.py``,
+``SGLANG_USE_CPU_ENGINE=1`` (the CPU platform layer, ``vericache_sglang/sglang/cpu/platform.py``,
 comes in through the project's ``.pth`` file). Each server is a process group of its own, so a
 stop leaves nothing behind. No sglang import here: the servers are other processes.
 """
@@ -57,7 +57,9 @@ class SGLangServer:
     """One ``sglang.launch_server`` process (and the scheduler and detokenizer it spawns)."""
 
     def __init__(self, log_dir: Path, name: str, *extra: str, vericache: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None, start_timeout: float = 300.0):
+                 env: dict[str, str] | None = None, start_timeout: float = 300.0, wait: bool = True):
+        """Launch it; with ``wait`` (the default) return once it is healthy, else call ``wait_healthy``
+        (servers started together load their models side by side)."""
         self.name = name
         self.port = free_port()
         args = [*SMALL_SERVER_ARGS, *extra]
@@ -68,19 +70,26 @@ class SGLangServer:
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command, cwd=REPO, env={**cpu_env(), **(env or {})}, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_healthy(start_timeout)
+        self._started = time.monotonic()
+        self._healthy = False
+        if wait:
+            self.wait_healthy(start_timeout)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        """Return once ``/health`` answers, at most ``timeout`` s after the launch; stop it and raise if not."""
+        if self._healthy:
+            return
+        deadline = self._started + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang server {self.name} exited ({self.proc.returncode}):\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    self._healthy = True
                     return
             except httpx.HTTPError:
                 pass

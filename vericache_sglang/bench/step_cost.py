@@ -23,7 +23,7 @@ import torch
 
 from vericache_sglang.bench.common import load_config, table
 from vericache_sglang.core.compress import parse_spec
-from vericache_sglang.core.compress.base import Observation
+from vericache_sglang.core.compress.observation import Observation
 from vericache_sglang.core.kv import FullKV
 from vericache_sglang.engine.fetch import ResidentFeed
 from vericache_sglang.engine.hardware import streaming_read_bandwidth

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from vericache_sglang.core.sampling import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_TOKEN, Sampler
+
+# How a chain is verified: "exact" (greedy, or the position-keyed sampler: the tokens full-KV
+# decoding gives) or "rejection" (speculative rejection sampling: the same distribution, not the
+# same tokens). The engine's ``--verify`` and SGLang's ``verification`` take these names.
+Verification = Literal["exact", "rejection"]
+VERIFICATIONS: tuple[str, ...] = get_args(Verification)
 
 
 @dataclass(frozen=True)

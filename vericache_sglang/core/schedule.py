@@ -19,7 +19,7 @@ two earlier, ... and reserves the first that fits both rings; a request that fit
 and waiting requests are retried first, in arrival order, so none starves. Bandwidth and
 iteration time are measured by the engine and fed in, never constants. Engine-independent: the
 reference engine's batch uses it, and so does the SGLang worker with ``full_kv: "host"``
-(``vericache_sglang/sglang/reloads.py``), whose iterations are its draft passes and verify groups
+(``vericache_sglang/sglang/full_kv/host_reloads.py``), whose iterations are its draft passes and verify groups
 and whose verifications may not run before their drafts are done (``not_before``).
 """
 

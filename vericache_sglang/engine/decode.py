@@ -1,6 +1,6 @@
 """The decoding loops: full-KV (the reference), lossy (compressed KV alone), and VeriCache.
 
-VeriCache, one request (DESIGN.md's data path):
+VeriCache, one request (docs/architecture.md, the data path):
 
     fetch of the full KV starts  ─┐  (background thread: write last commit, then layer by layer)
     draft x tokens on compressed  │
@@ -13,7 +13,7 @@ Only committed tokens leave ``generate_vericache``; every one of them is a verif
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,9 +21,7 @@ from tqdm import tqdm
 
 from remote_store.backends.base import StoreError
 from remote_store.codec import ChunkError
-from remote_store.fullkv import FullKVStore
-from vericache_sglang.core.compress import Compressor, Observation
-from vericache_sglang.core.kv import FullKV
+from vericache_sglang.core.compress import Compressor
 from vericache_sglang.core.sampling import Sampler
 from vericache_sglang.engine.generation import (
     GenerationConfig,
@@ -33,7 +31,7 @@ from vericache_sglang.engine.generation import (
     Prefill,
     VerifyTiming,
 )
-from vericache_sglang.engine.observe import RunnerObservation
+from vericache_sglang.engine.prefill import recompute_full_kv
 from vericache_sglang.engine.request import VeriCacheRequest
 from vericache_sglang.engine.runner import (
     ContextKV,
@@ -44,6 +42,7 @@ from vericache_sglang.engine.runner import (
     SegmentOutput,
     Timeline,
 )
+from vericache_sglang.full_kv.store import FullKVStore
 
 if TYPE_CHECKING:
     from vericache_sglang.engine.prefix import RegisteredPrefix
@@ -58,46 +57,8 @@ __all__ = [
     "generate_lossy",
     "generate_vericache",
     "generate_vericache_from_prefix",
-    "prefill",
-    "recompute_full_kv",
     "run_request",
 ]
-
-OBS_WINDOW = 64  # prefill queries kept for scoring compressors
-
-
-def prefill(runner: ModelRunner, tokens: Sequence[int], chunk: int = 512, progress: bool = False,
-            prefix: FullKV | None = None) -> Prefill:
-    """Exact prefill in chunks; ``prefix`` is stored full KV of ``tokens[:prefix.num_tokens]``."""
-    tokens = [int(t) for t in tokens]
-    if not tokens:
-        raise ValueError("empty prompt")
-    if len(tokens) >= runner.max_positions:
-        raise ValueError(f"prompt of {len(tokens)} tokens does not fit the model's context of "
-                         f"{runner.max_positions} positions")
-    t0 = time.monotonic()
-    reused = 0 if prefix is None else min(prefix.num_tokens, len(tokens) - 1)
-    ctx = (ResidentKV(runner.layout, len(tokens), runner.device) if not reused
-           else ResidentKV.from_full(prefix.slice(0, reused), len(tokens), runner.device))
-    queries: list[torch.Tensor | None] = [None] * runner.layout.num_layers  # the last OBS_WINDOW, per layer
-    starts = list(range(reused, len(tokens), chunk))
-    bar = tqdm(total=len(tokens) - reused, desc="prefill", unit="tok", disable=not progress, leave=False)
-    logits = None
-    for start in starts:
-        end = min(start + chunk, len(tokens))
-        last = end == len(tokens)
-        out = runner.forward([Segment(tokens[start:end], list(range(start, end)), ctx,
-                                      logits="last" if last else "none", keep_queries=OBS_WINDOW)])[0]
-        for layer, q in enumerate(out.queries):
-            kept = q if queries[layer] is None else torch.cat([queries[layer], q], dim=1)
-            queries[layer] = kept[:, -OBS_WINDOW:]
-        logits = out.logits
-        bar.update(end - start)
-    bar.close()
-    kv = ctx.to_full()
-    obs = Observation(queries, RunnerObservation(runner, tokens, kv))
-    return Prefill(tokens, kv, logits[0], obs, time.monotonic() - t0, reused)
-
 
 def _decode_one_by_one(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig, out: Output,
                        context: Callable[[], ContextKV], after: Callable[[int, SegmentOutput], None] | None = None,
@@ -213,8 +174,3 @@ def run_request(runner: ModelRunner, req: VeriCacheRequest, timings: list[Verify
         bar.close()
         req.release()
     return req.result()
-
-
-def recompute_full_kv(runner: ModelRunner, tokens: list[int]) -> ResidentKV:
-    """The exact full KV of ``tokens``, recomputed when the store cannot serve it."""
-    return ResidentKV.from_full(prefill(runner, tokens).kv, len(tokens) + 1024, runner.device)

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 import torch
 
 from remote_store import ChunkError, StoreConfigError, StoreError, connect_store
-from remote_store.fullkv import DEFAULT_CHUNK_TOKENS, FullKVStore
 from remote_store.link import LinkEmulator
 from vericache_sglang.core.compress import Compressor, parse_spec
 from vericache_sglang.engine.constraint import Constraint, ConstraintCompiler
@@ -19,11 +18,12 @@ from vericache_sglang.engine.decode import (
     generate_full,
     generate_lossy,
     generate_vericache,
-    prefill,
 )
 from vericache_sglang.engine.hardware import memory_bandwidth, streaming_read_bandwidth
 from vericache_sglang.engine.model import DEFAULT_MODEL, load_model
+from vericache_sglang.engine.prefill import prefill
 from vericache_sglang.engine.runner import ModelRunner
+from vericache_sglang.full_kv.store import DEFAULT_CHUNK_TOKENS, FullKVStore
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from collections.abc import Callable
 import torch
 
 from remote_store.backends.base import StoreError
-from remote_store.fullkv import RequestKV
-from remote_store.subset import Held
 from vericache_sglang.core.kv import FullKV
 from vericache_sglang.engine.runner import ResidentKV
+from vericache_sglang.full_kv.store import RequestKV
+from vericache_sglang.full_kv.subset import Held
 
 
 class FetchError(StoreError):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
+from vericache_sglang.core.accept import VERIFICATIONS, Verification
 from vericache_sglang.core.compress import Observation
 from vericache_sglang.core.kv import FullKV
 from vericache_sglang.core.sampling import SamplingParams
@@ -33,10 +35,10 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] = ()
     horizon: int = 16  # drafted tokens per verification (with adaptive_horizon: the most)
     adaptive_horizon: bool = False  # choose each window's length from acceptance and measured costs
-    verify: str = "exact"  # "exact": position-keyed coupling; "rejection": speculative rejection sampling
+    verify: Verification = "exact"  # core.accept: position-keyed coupling, or speculative rejection sampling
     logprobs: bool = False
     keep_logits: bool = False  # keep the logits of every committed token (for --check)
-    on_store_error: str = "recompute"  # "recompute" the full KV and go on, or "fail" the request
+    on_store_error: Literal["recompute", "fail"] = "recompute"  # recompute the full KV and go on, or fail
     fetch_timeout_s: float = 120.0
     constraint: Constraint | None = None  # a grammar every chosen token follows (structured outputs)
 
@@ -45,8 +47,8 @@ class GenerationConfig:
             raise ValueError(f"horizon must be >= 1, got {self.horizon}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.verify not in ("exact", "rejection"):
-            raise ValueError(f"verify must be 'exact' or 'rejection', got {self.verify!r}")
+        if self.verify not in VERIFICATIONS:
+            raise ValueError(f"verify must be one of {', '.join(VERIFICATIONS)}, got {self.verify!r}")
         if self.on_store_error not in ("recompute", "fail"):
             raise ValueError(f"on_store_error must be 'recompute' or 'fail', got {self.on_store_error!r}")
 

@@ -1,4 +1,4 @@
-"""Measured hardware figures the link emulator is set against (DESIGN.md: emulate links by ratio).
+"""Measured hardware figures the link emulator is set against (links are emulated by ratio: docs/stores.md).
 
 A decode step streams weights and KV from device memory, so the figure is a streaming read of an
 array far larger than any cache, repeated: the median is what links are set against, the spread

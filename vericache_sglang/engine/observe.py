@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vericache_sglang.core.compress.base import Rope
+from vericache_sglang.core.compress.rope import Rope
 from vericache_sglang.core.kv import FullKV
 from vericache_sglang.engine.runner import ModelRunner, ResidentKV, Segment
 

@@ -10,7 +10,7 @@ adakv, h2o, tova, expected_attention) see the document's own queries instead, as
 query-agnostic setting. Each compressor's ``document_scoring`` says which.
 
 Several servers share one store: ``register(..., publish=True)`` lists a document in the store's
-catalog (``remote_store.documents``); every server's ``sync`` loads each listed document's full KV
+catalog (``vericache_sglang.full_kv.documents``); every server's ``sync`` loads each listed document's full KV
 once and keeps its own compressed copy.
 """
 
@@ -21,14 +21,14 @@ import time
 from dataclasses import dataclass
 
 from remote_store.backends.base import StoreError
-from remote_store.documents import Document, DocumentCatalog
-from remote_store.fullkv import FullKVStore
 from vericache_sglang.core.compress import Compressor, Observation
 from vericache_sglang.core.kv import CompressedKV
-from vericache_sglang.engine.decode import prefill
 from vericache_sglang.engine.generation import Prefill
 from vericache_sglang.engine.observe import RunnerObservation
+from vericache_sglang.engine.prefill import prefill
 from vericache_sglang.engine.runner import ModelRunner
+from vericache_sglang.full_kv.documents import Document, DocumentCatalog
+from vericache_sglang.full_kv.store import FullKVStore
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import torch
 
 from remote_store import refused
-from remote_store.fullkv import FullKVStore
 from vericache_sglang.core.accept import Verdict, greedy_accept, rejection_accept
 from vericache_sglang.core.compress import Compressor
 from vericache_sglang.core.drafting import DraftWindow
@@ -34,6 +33,7 @@ from vericache_sglang.engine.runner import (
     StreamedKV,
     Timeline,
 )
+from vericache_sglang.full_kv.store import FullKVStore
 
 FIRST_ADAPTIVE_WINDOW = 16  # before any cost is measured
 log = logging.getLogger(__name__)

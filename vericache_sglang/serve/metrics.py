@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from vericache_sglang.engine.generation import GenerationResult
+from vericache_sglang.metrics import STORE_ERROR_KINDS, STORE_ERRORS, STORE_ERRORS_HELP, StoreErrorKind
 
 
 class Metrics:
@@ -21,10 +22,9 @@ class Metrics:
                                      registry=r)
         self.link_wait = Counter("vericache_link_wait_seconds", "Time verifications waited for full-KV layers",
                                  registry=r)
-        self.store_errors = Counter("vericache_store_errors", "Fetches that failed and fell back or failed the request",
-                                    registry=r)
-        self.store_refused = Counter("vericache_store_refused", "Requests failed because the store refused this "
-                                     "server's credentials (a misconfiguration, never computed around)", registry=r)
+        self._store_errors = Counter(STORE_ERRORS, STORE_ERRORS_HELP, ["kind"], registry=r)
+        for kind in STORE_ERROR_KINDS:  # both series exist from the start, at 0
+            self._store_errors.labels(kind=kind)
         self.decode_rate = Gauge("vericache_decode_tokens_per_second", "Decode rate of the last finished request",
                                  registry=r)
         self.prefix_hits = Counter("vericache_prefix_hits", "Requests started over a shared document's "
@@ -36,6 +36,9 @@ class Metrics:
                               ["result"], registry=r)
         self.running = Gauge("vericache_requests_in_flight", "Requests admitted and not finished", registry=r)
 
+    def store_error(self, kind: StoreErrorKind, n: int = 1) -> None:
+        self._store_errors.labels(kind=kind).inc(n)
+
     def finished(self, result: GenerationResult, prompt_tokens: int) -> None:
         s = result.stats
         self.requests.labels("ok").inc()
@@ -46,7 +49,7 @@ class Metrics:
             self.accepted_length.observe(n)
         self.full_kv_bytes.inc(sum(s.fetch_bytes))
         self.link_wait.inc(s.fetch_wait_s)
-        self.store_errors.inc(s.store_fallbacks)
+        self.store_error("outage", s.store_fallbacks)
         self.decode_rate.set(result.tokens_per_second)
 
     def failed(self, status: str) -> None:

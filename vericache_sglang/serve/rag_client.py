@@ -49,11 +49,9 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float, every_s: float
 
 
 def metric(text: str, name: str) -> float:
-    """A sample's value from Prometheus text (0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """A sample's value from Prometheus text, summed over its label sets (0 when absent)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from remote_store.backends.base import StoreError, refused
 from vericache_sglang.core.compress import Compressor, SpecError, parse_spec
 from vericache_sglang.core.sampling import SamplingParams
-from vericache_sglang.engine.batch import BatchConfig, BatchEngine
+from vericache_sglang.engine.batch import BatchEngine
+from vericache_sglang.engine.batch_jobs import BatchConfig
 from vericache_sglang.engine.constraint import Constraint
 from vericache_sglang.engine.decode import generate_full
 from vericache_sglang.engine.engine import Engine, compare
@@ -188,7 +189,7 @@ class EngineService:
         try:
             return self._on_engine_thread(lambda: self.prefixes.register(tokens, name, publish=True), timeout_s)
         except StoreError as e:
-            self.metrics.store_errors.inc()
+            self.metrics.store_error("outage")
             raise ServeError(502, f"the store failed while registering the document: {e}", "server_error") from None
         except ValueError as e:
             raise ServeError(400, str(e)) from None
@@ -207,7 +208,7 @@ class EngineService:
         try:
             return self._on_engine_thread(remove, timeout_s)
         except StoreError as e:
-            self.metrics.store_errors.inc()
+            self.metrics.store_error("outage")
             raise ServeError(502, f"the store failed while removing the document: {e}", "server_error") from None
 
     def documents(self) -> list[dict[str, object]]:
@@ -233,7 +234,7 @@ class EngineService:
         try:
             adopted, dropped = self.prefixes.sync()
         except Exception as e:  # the store is down: keep the copies we have, try again later
-            self.metrics.store_errors.inc()
+            self.metrics.store_error("outage")
             log.warning("document catalog sync failed: %s", e)
             return
         for p in adopted:
@@ -297,7 +298,7 @@ class EngineService:
             log.warning("request %s: document %s unavailable (%s); prefilling instead", p.handle.id, p.prefix.name,
                         error)
             self.prefixes.by_digest.pop(p.prefix.digest, None)  # the next catalog sync adopts it again if it can
-            self.metrics.store_errors.inc()
+            self.metrics.store_error("outage")
             p.prefix, p.chosen = None, True
             p.handle.prefix_tokens, p.handle.prefix_name, p.handle.compressor = 0, None, p.compressor.spec
             with self._lock:
@@ -325,7 +326,7 @@ class EngineService:
     def _failed(self, handle: Handle, error: BaseException) -> None:
         self.metrics.failed("error")
         if refused(error):
-            self.metrics.store_refused.inc()
+            self.metrics.store_error("refused")
             log.error("the full-KV store refused this server's credentials: %s", error)
         self._release()
         handle.events.put(("error", error))

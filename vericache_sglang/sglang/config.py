@@ -10,17 +10,18 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
+from vericache_sglang.core.accept import VERIFICATIONS, Verification
 from vericache_sglang.core.compress import COMPRESSORS, Compressor, SpecError, parse_spec
 
-VERIFICATION_POLICIES = ("greedy", "rejection")
 # Where a request's full KV lives between verifications. "device": in SGLang's own KV pool
 # (self-speculation; no memory saved). "store": also written to the full-KV store after prefill
 # and after each verify (the device copy stays). "host": moved to SGLang's host pool after prefill
 # and after each verify, its device slots freed, and reloaded per layer for each verification at
 # the time the staggered scheduler plans (tested on CPU in real servers; on a GPU unverified).
-FULL_KV_PLACES = ("device", "store", "host")
+FullKVPlace = Literal["device", "store", "host"]
+FULL_KV_PLACES: tuple[str, ...] = get_args(FullKVPlace)
 MAX_HORIZON = 64
 # How each attention backend verifies a chain (``forward.py``): its own TARGET_VERIFY with SGLang's
 # custom mask ("masked", GPU), or through the plugin's chain backend ("chain", CPU).
@@ -66,9 +67,9 @@ def sglang_compressors() -> list[str]:
 class VeriCacheConfig:
     compressor: str = "snapkv:ratio=0.25"
     horizon: int = 16  # drafted tokens per verification
-    full_kv: str = "store"
+    full_kv: FullKVPlace = "store"
     store: str = "memory://"  # full-KV store URL (remote_store.open_store)
-    verification: str = "greedy"
+    verification: Verification = "exact"
     reload_room: float = 0.25  # full_kv=host: share of the KV pool held for reloads
     host_pool_ratio: float = 4.0  # full_kv=host: host pool tokens per device pool token
 
@@ -105,10 +106,11 @@ class VeriCacheConfig:
             raise VeriCacheConfigError(
                 f"vericache-config compressor {compressor.spec!r}: the SGLang worker runs +lookup composed with "
                 "compressed-KV drafts (model=True)")
-        if self.verification not in VERIFICATION_POLICIES:
+        if self.verification not in VERIFICATIONS:
+            renamed = " ('greedy' is now 'exact', the engine's name)" if self.verification == "greedy" else ""
             raise VeriCacheConfigError(
-                f"vericache-config verification must be one of {', '.join(VERIFICATION_POLICIES)}, "
-                f"got {self.verification!r}")
+                f"vericache-config verification must be one of {', '.join(VERIFICATIONS)}, "
+                f"got {self.verification!r}{renamed}")
         if not isinstance(self.store, str) or "://" not in self.store:
             raise VeriCacheConfigError(f"vericache-config store must be a store URL, got {self.store!r}")
         from remote_store import SCHEMES

@@ -13,9 +13,12 @@ extension point for what it does; everything else goes through SGLang's registri
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vericache_sglang.sglang.config import VeriCacheConfig, VeriCacheConfigError
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 ALGORITHM = "VERICACHE"
 BACKEND = "vericache"  # the radix-cache and draft attention backend name
@@ -31,7 +34,7 @@ def add_cli_args_hook(result: Any, parser: argparse.ArgumentParser) -> Any:
     group.add_argument(
         "--vericache-config", type=str, default=None,
         help="JSON object (or @file): compressor, horizon, full_kv (device|store|host), store URL, "
-             "verification (greedy|rejection), reload_room and host_pool_ratio (full_kv=host).")
+             "verification (exact|rejection), reload_room and host_pool_ratio (full_kv=host).")
     return result
 
 
@@ -42,7 +45,7 @@ def _args_namespace(args: tuple[Any, ...], kwargs: dict[str, Any]) -> argparse.N
     return ns
 
 
-def from_cli_args_hook(result: Any, *args: Any, **kwargs: Any) -> Any:
+def from_cli_args_hook(result: ServerArgs, *args: Any, **kwargs: Any) -> ServerArgs:
     ns = _args_namespace(args, kwargs)
     enabled = bool(getattr(ns, "enable_vericache", False))
     raw = getattr(ns, "vericache_config", None)
@@ -72,7 +75,7 @@ def implied_flags(cfg: VeriCacheConfig) -> dict[str, Any]:
 
 
 # Settings VeriCache cannot serve yet, each with why.
-def _unsupported(server_args: Any, cfg: VeriCacheConfig) -> list[str]:
+def _unsupported(server_args: ServerArgs, cfg: VeriCacheConfig) -> list[str]:
     problems = []
     if cfg.full_kv == "host":
         if int(getattr(server_args, "page_size", 1) or 1) > 1:
@@ -94,7 +97,7 @@ def _unsupported(server_args: Any, cfg: VeriCacheConfig) -> list[str]:
     return problems
 
 
-def apply_implied_flags(server_args: Any, cfg: VeriCacheConfig) -> None:
+def apply_implied_flags(server_args: ServerArgs, cfg: VeriCacheConfig) -> None:
     # ServerArgs' own default lookup (0.5.23): a field still at its default was not given.
     from sglang.srt.server_args import _declared_default
 

@@ -9,12 +9,17 @@ SGLang's (``model_name``, ``tp_rank``). Nothing is created without ``--enable-me
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+from vericache_sglang.metrics import STORE_ERROR_KINDS, STORE_ERRORS, STORE_ERRORS_HELP, StoreErrorKind
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 ACCEPTED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 65)
 
 
-def metrics_enabled(server_args: Any) -> bool:
+def metrics_enabled(server_args: ServerArgs) -> bool:
     """Whether the server was started with ``--enable-metrics`` (0.5.23 keeps it in its runtime context)."""
     try:
         from sglang.srt.runtime_context import get_observability
@@ -58,18 +63,15 @@ class WorkerMetrics:
                                       names).labels(**labels)
         self.refreshes = Counter("vericache_refreshes", "Compressed-KV refreshes from a verification's attention "
                                  "(+refresh)", names).labels(**labels)
-        # kind: "outage" (the store failed; the device copy serves on) or "refused" (it refused this
-        # server's credentials: a misconfiguration, logged as an error)
-        self._store_errors = Counter("vericache_store_errors", "Store operations that failed, by kind",
-                                     [*names, "kind"])
-        for kind in ("outage", "refused"):  # both series exist from the start, at 0
+        self._store_errors = Counter(STORE_ERRORS, STORE_ERRORS_HELP, [*names, "kind"])
+        for kind in STORE_ERROR_KINDS:  # both series exist from the start, at 0
             self._store_errors.labels(**labels, kind=kind)
         self.compressed_kv = Gauge("vericache_compressed_kv_bytes", "Compressed KV held for drafting", names,
                                    multiprocess_mode="livesum").labels(**labels)
         self.verify_seconds = Histogram("vericache_step_seconds", "Draft-and-verify step time", names,
                                         buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)).labels(**labels)
 
-    def store_error(self, kind: str) -> None:
+    def store_error(self, kind: StoreErrorKind) -> None:
         self._store_errors.labels(**self.labels, kind=kind).inc()
 
     def verified(self, accepted: list[int], drafted: list[int], seconds: float, undrafted: int = 0) -> None:

@@ -36,9 +36,9 @@ def _register_attention_backend() -> None:
         add_draft_attention_backend_choices,
     )
 
-    from vericache_sglang.sglang.attention import create_draft_backend
-    from vericache_sglang.sglang.chain_attention import NAME as CHAIN_BACKEND
-    from vericache_sglang.sglang.chain_attention import create_chain_verify_backend
+    from vericache_sglang.sglang.cpu.chain_attention import NAME as CHAIN_BACKEND
+    from vericache_sglang.sglang.cpu.chain_attention import create_chain_verify_backend
+    from vericache_sglang.sglang.draft.attention import create_draft_backend
 
     # Choices must be extended before ServerArgs.add_cli_args builds a parser.
     for name in (BACKEND, CHAIN_BACKEND):
@@ -68,7 +68,7 @@ def _register_spec_algorithm() -> None:
 def _register_radix_cache() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from vericache_sglang.sglang.radix_cache import create_radix_cache
+    from vericache_sglang.sglang.draft.radix_cache import create_radix_cache
 
     if get_radix_cache_factory(BACKEND) is None:
         register_radix_cache_backend(BACKEND, create_radix_cache)

@@ -9,25 +9,29 @@ accessors: the public ``get_key_buffer`` waits on HiCache's layer counter, which
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from vericache_sglang.core.compress import Compressor, Observation
 from vericache_sglang.core.kv import CompressedKV, FullKV, KVLayout
 
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-def pool_layout(pool: Any, model_id: str) -> KVLayout:
+
+def pool_layout(pool: MHATokenToKVPool, model_id: str) -> KVLayout:
     """The core layout of an SGLang MHA pool's KV."""
     return KVLayout(model_id, pool.layer_num, pool.head_num, pool.head_dim, pool.dtype)
 
 
-def _layer_buffers(pool: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _layer_buffers(pool: MHATokenToKVPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return pool._get_key_buffer(pool.start_layer + layer), pool._get_value_buffer(pool.start_layer + layer)
 
 
-def _write_layers(pool: Any, slots: torch.Tensor, layers: Any) -> None:
+def _write_layers(pool: MHATokenToKVPool, slots: torch.Tensor,
+                  layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Write per-layer ``(keys, values)`` ``[kv_heads, n, head_dim]`` into the pool at ``slots``."""
     idx = slots.to(device=pool.device, dtype=torch.int64)
     for layer, (k, v) in enumerate(layers):
@@ -36,7 +40,7 @@ def _write_layers(pool: Any, slots: torch.Tensor, layers: Any) -> None:
         v_buf[idx] = v.transpose(0, 1).to(device=v_buf.device, dtype=v_buf.dtype)
 
 
-def read_full_kv(pool: Any, indices: torch.Tensor, layout: KVLayout) -> FullKV:
+def read_full_kv(pool: MHATokenToKVPool, indices: torch.Tensor, layout: KVLayout) -> FullKV:
     """The exact KV at pool slots ``indices`` (one request's tokens, in order)."""
     idx = indices.to(device=pool.device, dtype=torch.int64)
     layers = []
@@ -51,7 +55,7 @@ class PoolParts(Sequence):
     ``[(keys, values)]`` ``[kv_heads, n, head_dim]`` at ``indices`` (the core's "full KV in parts"),
     gathered when asked, so a reader that walks layers holds one layer's copy at a time."""
 
-    def __init__(self, pool: Any, indices: torch.Tensor, num_layers: int):
+    def __init__(self, pool: MHATokenToKVPool, indices: torch.Tensor, num_layers: int):
         self.pool = pool
         self.idx = indices.to(device=pool.device, dtype=torch.int64)
         self.num_layers = num_layers
@@ -66,13 +70,13 @@ class PoolParts(Sequence):
         return [(k_buf[self.idx].transpose(0, 1), v_buf[self.idx].transpose(0, 1))]
 
 
-def compress_from_pool(pool: Any, indices: torch.Tensor, layout: KVLayout, compressor: Compressor,
+def compress_from_pool(pool: MHATokenToKVPool, indices: torch.Tensor, layout: KVLayout, compressor: Compressor,
                        obs: Observation | None = None) -> CompressedKV:
     """A compressed copy of the KV at ``indices``, made by ``compressor`` (its ``compress``)."""
     return compressor.compress(read_full_kv(pool, indices, layout), obs)
 
 
-def write_kept_tokens(pool: Any, slots: torch.Tensor, compressed: CompressedKV) -> None:
+def write_kept_tokens(pool: MHATokenToKVPool, slots: torch.Tensor, compressed: CompressedKV) -> None:
     """Write a token-dropping compressed copy into a private draft pool at ``slots``.
 
     Every layer must keep the same number of tokens (one req_to_token row serves all layers);
@@ -87,7 +91,7 @@ def write_kept_tokens(pool: Any, slots: torch.Tensor, compressed: CompressedKV) 
     _write_layers(pool, slots, [comp.read() for comp in compressed.layers])
 
 
-def write_full_kv(pool: Any, slots: torch.Tensor, full: FullKV) -> None:
+def write_full_kv(pool: MHATokenToKVPool, slots: torch.Tensor, full: FullKV) -> None:
     """Write exact KV (e.g. a prefix fetched from the store) into a pool at ``slots``."""
     if slots.numel() != full.num_tokens:
         raise ValueError(f"{slots.numel()} slots for {full.num_tokens} tokens")

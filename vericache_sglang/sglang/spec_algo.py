@@ -8,12 +8,18 @@ them, mirroring the enum's versions for an algorithm with no draft model and a c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from vericache_sglang.sglang.config import VeriCacheConfigError, verify_convention
 from vericache_sglang.sglang.hooks import ALGORITHM, config_of
+
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.managers.overlap_utils import FutureMap
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.server_args import ServerArgs
 
 
 class VeriCacheSpecAlgo(CustomSpecAlgo):
@@ -26,8 +32,8 @@ class VeriCacheSpecAlgo(CustomSpecAlgo):
     def has_draft_kv(self) -> bool:
         return False  # the compressed pool is private to the worker, not a draft KV in SGLang's pool
 
-    def create_future_map(self, device: Any, req_to_token_pool: Any, needs_cpu_seq_lens: bool = True,
-                          needs_confidence_relay: bool = False) -> Any:
+    def create_future_map(self, device: torch.device | str, req_to_token_pool: ReqToTokenPool,
+                          needs_cpu_seq_lens: bool = True, needs_confidence_relay: bool = False) -> FutureMap:
         from sglang.srt.managers.overlap_utils import FutureMap
 
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
@@ -75,7 +81,7 @@ def _check_attention_backends(server_args: Any) -> None:
         verify_convention(prefill or decode)
 
 
-def worker_factory(server_args: Any) -> type:
-    from vericache_sglang.sglang.worker import VeriCacheWorker
+def worker_factory(server_args: ServerArgs) -> type:
+    from vericache_sglang.sglang.step.worker import VeriCacheWorker
 
     return VeriCacheWorker

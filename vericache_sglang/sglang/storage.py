@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from remote_store import connect_store
 from remote_store.codec import KIND_PACKED, ChunkError, ChunkHeader, check, decode, encode
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
+    from sglang.srt.mem_cache.pool_host import HostKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ def _digest16(text: str) -> bytes:
 
 
 class VeriCacheHiCacheStorage(HiCacheStorage):
-    def __init__(self, storage_config: Any, kwargs: dict | None = None):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         url = extra.get("store_url")
         if not url:
@@ -46,13 +50,13 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
         self.namespace = str(extra.get("namespace", "hicache"))
         self.ttl_s = float(extra["ttl_s"]) if extra.get("ttl_s") else None
         self.store = connect_store(url)  # a store that cannot be used as configured fails the launch
-        self.mem_pool_host: Any = None
+        self.mem_pool_host: HostKVCache | None = None
         self._layout_digest: str | None = None
         self.stats_pages = {"set": 0, "get_hit": 0, "get_miss": 0, "get_bad": 0, "store_errors": 0}
 
     # -- geometry ---------------------------------------------------------------------------
 
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+    def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
         super().register_mem_pool_host(mem_pool_host)
         if mem_pool_host.dtype not in _TORCH_NAMES and torch.empty((), dtype=mem_pool_host.dtype).element_size() != 1:
             raise ValueError(f"vericache HiCache backend: unsupported host pool dtype {mem_pool_host.dtype}")
@@ -65,7 +69,7 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
         ))
         self._layout_digest = hashlib.blake2b(described.encode(), digest_size=8).hexdigest()
 
-    def _require_pool(self) -> Any:
+    def _require_pool(self) -> HostKVCache:
         if self.mem_pool_host is None or self._layout_digest is None:
             raise RuntimeError("vericache HiCache backend used before register_mem_pool_host")
         return self.mem_pool_host
@@ -103,7 +107,8 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
                              f"got {len(host_indices)}")
         return [int(host_indices[i * pool.page_size]) for i in range(len(keys))]
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         pool = self._require_pool()
         starts = self._page_indices(keys, host_indices)
         items = [(self._store_key(k), self._encode_page(k, pool.get_data_page(s, flat=True)))
@@ -117,7 +122,8 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
         self.stats_pages["set"] += len(keys)
         return [True] * len(keys)
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         pool = self._require_pool()
         starts = self._page_indices(keys, host_indices)
         try:
@@ -144,7 +150,7 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
             ok.append(True)
         return ok
 
-    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         self._require_pool()
         try:
             present = self.store.exists_many([self._store_key(k) for k in keys])

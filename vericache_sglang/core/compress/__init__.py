@@ -9,22 +9,23 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from vericache_sglang.core.compress.adakv import AdaKV
-from vericache_sglang.core.compress.base import Compressor, DroppedLayer, Observation
+from vericache_sglang.core.compress.base import Compressor, DroppedLayer
 from vericache_sglang.core.compress.compose import Composed
-from vericache_sglang.core.compress.expected_attention import ExpectedAttention
-from vericache_sglang.core.compress.h2o import H2O
-from vericache_sglang.core.compress.kivi import KIVI
-from vericache_sglang.core.compress.knorm import KNorm
-from vericache_sglang.core.compress.kvquant import KVQuant
-from vericache_sglang.core.compress.kvzip import KVzip
-from vericache_sglang.core.compress.pyramidkv import PyramidKV
-from vericache_sglang.core.compress.quest import Quest
+from vericache_sglang.core.compress.drop.adakv import AdaKV
+from vericache_sglang.core.compress.drop.expected_attention import ExpectedAttention
+from vericache_sglang.core.compress.drop.h2o import H2O
+from vericache_sglang.core.compress.drop.knorm import KNorm
+from vericache_sglang.core.compress.drop.kvzip import KVzip
+from vericache_sglang.core.compress.drop.pyramidkv import PyramidKV
+from vericache_sglang.core.compress.drop.quest import Quest
+from vericache_sglang.core.compress.drop.snapkv import SnapKV
+from vericache_sglang.core.compress.drop.streamingllm import StreamingLLM
+from vericache_sglang.core.compress.drop.tova import TOVA
+from vericache_sglang.core.compress.observation import Observation
+from vericache_sglang.core.compress.quant.kivi import KIVI
+from vericache_sglang.core.compress.quant.kvquant import KVQuant
+from vericache_sglang.core.compress.quant.tokenquant import Int4, Int8, RotateKV
 from vericache_sglang.core.compress.refresh import Refreshed
-from vericache_sglang.core.compress.snapkv import SnapKV
-from vericache_sglang.core.compress.streamingllm import StreamingLLM
-from vericache_sglang.core.compress.tokenquant import Int4, Int8, RotateKV
-from vericache_sglang.core.compress.tova import TOVA
 from vericache_sglang.core.lookup import LookupParams
 
 COMPRESSORS: dict[str, type[Compressor]] = {

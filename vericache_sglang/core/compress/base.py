@@ -11,125 +11,75 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Literal
 
 import torch
 
+from vericache_sglang.core.compress.observation import Observation
 from vericache_sglang.core.kv import CompressedKV, CompressedLayer, FullKV
 from vericache_sglang.core.lookup import LookupParams
 from vericache_sglang.core.rows import GrowingRows, RowsField
 
 
-@dataclass(frozen=True)
-class Rope:
-    """A Llama-style rotary embedding as plain tensors (cheap to copy with a compressed KV)."""
-
-    inv_freq: torch.Tensor  # [head_dim / 2], float32
-    scaling: float = 1.0
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` shaped ``[*positions.shape, head_dim]`` (float32)."""
-        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos() * self.scaling, emb.sin() * self.scaling
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pre-RoPE ``x`` ``[..., n, d]`` at ``positions`` ``[..., n]`` to post-RoPE (float32 math)."""
-        cos, sin = self.cos_sin(positions)
-        return apply_rope(x.float(), cos, sin).to(x.dtype)
-
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos_sin(positions)
-        return unapply_rope(x.float(), cos, sin).to(x.dtype)
-
-
-class ObservationSource(Protocol):
-    """The model behind a prefill, for compressors that need more than the observation window.
-
-    Implemented by the engine (``vericache_sglang.engine.observe``); the SGLang path has none, so
-    compressors that need it are refused there at configuration time.
-    """
-
-    def prompt_queries(self) -> list[torch.Tensor]:
-        """Post-RoPE queries ``[q_heads, tokens, head_dim]`` of every prompt token, per layer."""
-        ...
-
-    def tail_queries(self, n: int) -> list[torch.Tensor]:
-        """Post-RoPE queries of the prompt's last ``n`` tokens, per layer."""
-        ...
-
-    @property
-    def tokens(self) -> list[int]:
-        """The prompt's token ids."""
-        ...
-
-    def rope(self) -> Rope:
-        """The model's rotary embedding."""
-        ...
-
-    def probe(self, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Run ``tokens`` after the prompt over its exact KV (nothing is kept); per layer, their
-        post-RoPE queries ``[q_heads, m, head_dim]`` and keys ``[kv_heads, m, head_dim]``."""
-        ...
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens); raises ValueError without a tokenizer."""
-        ...
-
-
-@dataclass
-class Observation:
-    """What the prefill saw that a scoring compressor may use.
-
-    ``queries[layer]`` holds the post-RoPE queries ``[q_heads, window, head_dim]`` of the last
-    prompt tokens (SnapKV's observation window); ``source`` reaches the model for more. With
-    ``follows`` the queries are of tokens *after* the KV being compressed (a shared prefix scored
-    by the request that continues it): they see all of it, no causal mask applies within it.
-    """
-
-    queries: list[torch.Tensor] | None = None
-    source: ObservationSource | None = None
-    follows: bool = False
-
-    def window_queries(self, layer: int, window: int) -> torch.Tensor:
-        kept = 0 if self.queries is None else self.queries[layer].shape[1]
-        if kept < window and self.source is not None:
-            # The prefill computed fewer tokens than the window (a stored prefix was reused): the
-            # model recomputes the queries of the prompt's last tokens.
-            self.queries = self.source.tail_queries(window)
-            kept = self.queries[layer].shape[1]
-        if self.queries is None:
-            raise ValueError("this compressor needs the prefill's observation queries")
-        if kept < window:
-            raise ValueError(f"observation window of {window} tokens asked, prefill kept {kept}")
-        q = self.queries[layer]
-        return q[:, kept - window :]
-
-    def model(self, who: str) -> ObservationSource:
-        if self.source is None:
-            raise ValueError(f"{who} needs the model behind the prefill (prompt queries, rotary embedding), "
-                             "which this path does not provide")
-        return self.source
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[..., n, d]`` to the positions of ``cos, sin`` ``[..., n, d]`` (Llama RoPE)."""
-    return x * cos + rotate_half(x) * sin
-
-
-def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The inverse rotation: post-RoPE back to pre-RoPE."""
-    return x * cos - rotate_half(x) * sin
-
-
 class Compressor(ABC):
-    """Base class. Subclasses declare ``name``, ``kind`` and a ``Params`` dataclass of defaults."""
+    """Base class. A new compressor subclasses it (or ``KeepingDropper``, ``QuantizingCompressor``) and is
+    added to ``COMPRESSORS`` in ``compress/__init__.py``.
+
+    Class-level settings, declared on the class (``describe_compressors`` and the SGLang config's
+    ``sglang_compressors`` read them from the class, without an instance):
+
+    - ``name`` (required): the registry key and the spec's prefix (``snapkv:ratio=...``); read by
+      ``COMPRESSORS``, ``base_spec`` and the error messages.
+    - ``kind`` (required; ``KeepingDropper`` and ``QuantizingCompressor`` set it): ``"dropping"``,
+      ``"sparse"``, ``"quantization"`` or ``"composed"``. ``Composed`` takes a ``"dropping"`` first part,
+      ``Refreshed`` refuses ``"quantization"``, ``sglang/config.py`` lets the SGLang worker draft over
+      ``"dropping"`` only; reported by ``describe_compressors``.
+    - ``Params`` (required): a dataclass, one field per spec parameter with its default, documented as the
+      ``*Params`` classes here are. ``__init__`` builds ``self.params`` from it; ``parse_spec`` converts each
+      ``key=value`` by the field's type (so ``int``, ``float``, ``str`` or ``bool``); ``base_spec`` spells
+      every field out; ``describe_compressors`` (``vericache compressors``) lists them.
+    - ``mode`` (``"online"``): ``"offline"`` where compressing runs extra model forwards (KVzip). Reported by
+      ``describe_compressors``, carried by ``Composed`` and ``Refreshed``; nothing branches on it.
+    - ``summary`` (``""``): one line, reported by ``describe_compressors``.
+    - ``document_scoring``: what a shared document, compressed before any question, is scored by; reported
+      by ``describe_compressors``.
+    - ``needs`` (empty): what compressing or committing reads besides the KV, through ``Observation``:
+      ``"window"`` (the prefill's last queries), ``"prompt"`` (every prompt query), ``"rope"``, ``"probe"``
+      (extra forwards), ``"update_queries"`` (committed tokens' queries in ``update``). Read by ``commit``
+      and ``update_queries`` here, by ``sglang/config.py`` (the SGLang worker provides ``"window"`` only and
+      refuses the rest, save refresh's own ``"update_queries"``) and by ``describe_compressors``.
+    - ``uniform_layers`` (``True``): every layer keeps the same token count. ``sglang/config.py`` refuses
+      ``False`` (the draft pool gives one slot set to all layers); reported by ``describe_compressors``.
+    - ``evicts`` (``False``): ``update`` may drop tokens it kept before. ``Composed`` refuses an evicting
+      dropper before a quantizer; reported by ``describe_compressors`` as ``evicts_while_decoding``.
+    - ``refreshes`` (``False``): rows re-chosen at each verification by ``refresh``, which the engine
+      (``engine/request.py``), the SGLang worker and ``bench/acceptance.py`` then call. Only
+      ``Refreshed`` sets it.
+    - ``lookup`` (``None``; an instance attribute, not a ClassVar): the ``+lookup`` drafting parameters,
+      set by ``parse_spec``; read by ``spec``, ``engine/request.py``, the SGLang worker and
+      ``sglang/config.py``. A compressor leaves it alone.
+
+    Derived, not overridden: ``update_queries`` (``"update_queries" in needs``: whether callers keep the
+    committed tokens' queries for ``commit``; read by the engine, ``Refreshed``, ``sglang/config.py`` and
+    ``bench/acceptance.py``) and ``spec``. ``base_spec`` is overridden only where the parameters live in the
+    parts (``Composed``, ``Refreshed``). ``Composed`` and ``Refreshed`` also set the settings per instance,
+    from their parts.
+
+    Methods a new compressor implements:
+
+    - ``validate()``: raise ValueError on parameters outside their domain (``parse_spec`` reports it as a
+      SpecError); ``check_ratio`` checks a ``ratio``.
+    - ``compress_layer(layer_idx, k, v, obs)``: one layer's exact KV ``[kv_heads, tokens, head_dim]`` to a
+      ``CompressedLayer``. A quantizer implements ``quantize_layer`` (the same, with ``positions``) instead;
+      where the layers' budgets depend on each other (PyramidKV, KVzip), override ``compress(full, obs)``
+      and make ``compress_layer`` raise NotImplementedError.
+    - ``update_layer(layer, k, v, positions, q)``: fold committed tokens' exact K/V into a layer
+      (``KeepingDropper`` appends them unscored); ``q`` may be None unless ``"update_queries" in needs``.
+    - ``refresh(ckv, full, queries)``: only with ``refreshes``.
+    - Its layer: ``DroppedLayer`` for kept exact rows, else a ``CompressedLayer`` subclass (``core/kv.py``)
+      with ``nbytes``, ``num_tokens`` and ``read``, and ``read_for``, ``exact_kv``, ``held_positions``,
+      ``reserved_nbytes``, ``read_with_drafts`` where the defaults do not fit.
+    """
 
     name: ClassVar[str]
     kind: ClassVar[Literal["dropping", "sparse", "quantization", "composed"]]

@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from vericache_sglang.core.compress.base import (
-    Compressor,
-    DroppedLayer,
-    Observation,
-    QuantizingCompressor,
-)
+from vericache_sglang.core.compress.base import Compressor, DroppedLayer, QuantizingCompressor
+from vericache_sglang.core.compress.observation import Observation
 from vericache_sglang.core.kv import CompressedKV, CompressedLayer, FullKV
 
 

@@ -27,12 +27,33 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vericache_sglang.core.compress.base import Compressor, Observation, check_ratio
+from vericache_sglang.core.compress.base import Compressor, check_ratio
+from vericache_sglang.core.compress.observation import Observation
 from vericache_sglang.core.kv import CompressedKV, CompressedLayer, FullKV
 
 
 @dataclass
 class RefreshParams:
+    """Verification-guided refresh (this project's ``+refresh`` drafting modifier; no paper).
+
+    Parameters
+    ----------
+    ratio : float
+        Refreshed rows per KV head, as a fraction of the prompt's ``n`` tokens: ``max(1, ceil(ratio * n))``
+        (at most ``n``, and no more than the tokens the inner compressor does not hold), fixed for the
+        request: the set is replaced at each verification, not grown. In (0, 1]. Its bytes add to the
+        inner compressor's.
+    span : int
+        Rows after an attended row that share its score, in tokens: row ``p`` takes the best score of rows
+        ``p - span .. p`` (copied text is read forward). >= 0; 0 spreads nothing.
+    window : int
+        Prompt tokens whose queries choose the rows before the first verification: the last ``window``
+        (at most the prompt). >= 1.
+    decay : float
+        Weight of the earlier scores: each verification's scores add ``decay`` times the running scores
+        before them (before spreading). In [0, 1); 0 scores by this verification's attention alone.
+    """
+
     ratio: float = 0.0625  # refreshed rows per KV head, as a fraction of the prompt
     span: int = 16  # rows after an attended row that share its score
     window: int = 16  # prompt queries that choose the rows before the first verification

@@ -1,0 +1,82 @@
+"""The drafting modifiers in real SGLang servers: ``+refresh`` (rows re-chosen at every
+verification from the verify pass's own queries over the full KV in SGLang's pool) and ``+lookup``
+(prompt-lookup chains checked in one TARGET_VERIFY pass over the private pool), held token for
+token to stock SGLang. The session's shared server runs both (``sglang_e2e.vericache_config``), so
+every test of ``tests/sglang/test_sglang_e2e.py`` runs them too (single, streamed and concurrent
+requests, a copy-heavy prompt, a JSON schema in a batch, tool calls, a shared document's compressed
+copy, seeded sampling), and its ``/metrics`` test checks that refreshes and lookup drafts happened,
+with fewer draft passes than drafts. Here: lookup chains under a JSON schema; seeded sampling and
+rejection sampling on servers of their own are in the heavy set."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import SGLANG_TEST_FLAGS
+from sglang_e2e import COPY, MODIFIERS, PERSON_FORMAT, prompt, same_as_stock
+
+from vericache_sglang.bench.sglang_server import Ask, SGLangServer, ask_all, metric_growth
+
+pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
+
+
+@pytest.fixture(scope="module")
+def refreshing(vericache_server):
+    return vericache_server
+
+
+def test_lookup_chains_under_a_json_schema(stock_server, refreshing, exactness):
+    """The object to write is in the prompt, with a property the schema forbids: the lookup window
+    walks the grammar (chains stop before a forbidden token) and the answer is stock's."""
+    text = ('Here is a record: {"name": "Ada Lovelace", "age": 36, "city": "London"}\n'
+            "Write it as a JSON object with only her name and age.")
+    before = refreshing.metrics()
+    _, got = same_as_stock(stock_server, refreshing, [Ask(text, "chat", max_tokens=48,
+                                                          params={"response_format": PERSON_FORMAT})],
+                           exactness, "refresh+lookup json schema, lookup under the grammar")
+    assert json.loads(got[0].text) == {"name": "Ada Lovelace", "age": 36}, got[0].text
+    assert metric_growth(refreshing.metrics(), before, "vericache_lookup_drafted_tokens_total") > 0
+
+
+@pytest.mark.slow
+def test_refresh_with_seeded_sampling_is_full_kv_sampling(refreshing, real_engine, exactness):
+    from vericache_sglang.core.sampling import SamplingParams
+
+    text = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    tokens = real_engine.encode(text)
+    ref = real_engine.generate(real_engine.prefill(tokens, reuse_prefix=False), "full", cfg=real_engine.config(
+        max_new_tokens=48, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=11)))
+    out = refreshing.generate(tokens, {"max_new_tokens": 48, "temperature": 0.8, "top_p": 0.95, "sampling_seed": 11})
+    got = [t for t in out["output_ids"] if t not in real_engine.eos_token_ids]
+    want = [t for t in ref.tokens if t not in real_engine.eos_token_ids]
+    exactness("sglang refresh+lookup seeded sampling vs engine full-KV sampling",
+              {"identical": got == want, "compared_tokens": len(want)})
+    assert got == want
+
+
+@pytest.mark.slow
+def test_modifiers_under_rejection_sampling_with_the_store(stock_server, sglang_logs, exactness):
+    """``verification: "rejection"`` takes each lookup window's draft distributions (the model's
+    on the draft stream; one-hot for a chain's tokens drafted unchecked at the window's end):
+    greedy requests stay stock's; seeded sampled ones complete (what rejection commits depends on
+    the draft's probabilities, which move with the compressed KV a request drafts over: a second
+    run of the same prompt drafts over the radix cache's compressed copy, so sampled text is not
+    compared across runs; its distribution is the verifier's, ``tests/sglang/test_sglang_sampling.py``);
+    the full KV also goes to the store."""
+    server = SGLangServer(sglang_logs, "vericache-modifiers-rejection", *SGLANG_TEST_FLAGS,
+                          vericache={**MODIFIERS, "verification": "rejection", "full_kv": "store"})
+    try:
+        same_as_stock(stock_server, server, [Ask(COPY + prompt("code", 300), "completion", max_tokens=64),
+                                             Ask(prompt("prose"), "chat", max_tokens=32)],
+                      exactness, "refresh+lookup rejection")
+        sampled = Ask(COPY + prompt("code", 300), "chat", max_tokens=48,
+                      params={"temperature": 0.7, "top_p": 0.95, "seed": 5})
+        batched = ask_all(server, [sampled, Ask(prompt("tools"), "completion", max_tokens=24,
+                                                params={"temperature": 0.9, "seed": 2})])
+        assert all(a.text and a.finish_reason in ("length", "stop") for a in batched)
+        m = server.metrics()
+        assert m["vericache_lookup_drafted_tokens_total"] > 0 and m["vericache_full_kv_written_bytes_total"] > 0
+        assert m["vericache_store_errors_total"] == 0
+    finally:
+        server.stop()

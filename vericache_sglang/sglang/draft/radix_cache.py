@@ -1,0 +1,185 @@
+"""The ``vericache`` radix-cache backend: SGLang's radix tree, plus a compressed-KV copy of each
+cached prefix that VeriCache drafts from, kept next to the tree and evicted with it.
+
+A copy belongs to the node that ends its prefix and covers every token from the root to that
+node's end (a compressor scores a prefix as a whole, so a copy cannot be cut per segment). When a
+lookup splits a node, the copy stays with the deeper half, whose path is unchanged. A copy is
+dropped the moment its node leaves the tree, so a lookup can only ever return the copy of a
+prefix that is still cached.
+
+Matching leaves the prompt's last ``OBS_WINDOW`` tokens to be computed again (SGLang's
+``swa_reprefill_tail_tokens`` extension point): the worker scores a prompt by its last queries
+(SnapKV's observation window), which a cached prefix does not keep. A request whose prompt
+continues a cached prefix drafts over the deepest copy on its matched path, with its own tokens
+after it folded in exactly; the first request without one makes it, for the matched prefix cut
+down to a multiple of ``COPY_GRAIN`` tokens (so requests whose questions differ in length still
+meet at the same node), scored by that request's queries, which follow the prefix.
+
+Requests whose full KV the worker offloads (``full_kv: "host"``) stay out of the tree; their rows
+are freed through ``free_kv_row``/``on_release``, which leave the offloaded positions alone.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from vericache_sglang.core.kv import CompressedKV
+from vericache_sglang.sglang.full_kv.host_rows import offload_for
+from vericache_sglang.sglang.step.draft_state import OBS_WINDOW
+
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import InsertResult
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+_TREES: weakref.WeakValueDictionary[int, VeriCacheRadixCache] = weakref.WeakValueDictionary()
+
+
+def tree_for(allocator: BaseTokenToKVPoolAllocator) -> VeriCacheRadixCache | None:
+    """The vericache radix cache over the pool ``allocator`` serves (the worker's way to it)."""
+    tree = _TREES.get(id(allocator))
+    return tree if tree is not None and tree.token_to_kv_pool_allocator is allocator else None
+
+
+@dataclass(frozen=True)
+class CompressedPrefix:
+    """A cached prefix's compressed KV: drafting state for every request that shares it."""
+
+    num_tokens: int  # prefix length (tokens from the root), not tokens kept
+    kv: CompressedKV
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+
+class VeriCacheRadixCache(RadixCache):
+    def reset(self) -> None:
+        super().reset()
+        self._copies: dict[int, tuple[TreeNode, CompressedPrefix]] = {}  # by node id
+        self.compressed_bytes = 0
+        self.copies_evicted = 0
+        # called with a request's id when SGLang releases its row (finish, abort, retraction)
+        self.release_listeners: list[Callable[[str], None]] = getattr(self, "release_listeners", [])
+        if self.token_to_kv_pool_allocator is not None:
+            _TREES[id(self.token_to_kv_pool_allocator)] = self
+
+    def swa_reprefill_tail_tokens(self, req: Req | None = None) -> int:
+        """Tokens at the end of a prompt that are computed again even when cached: the worker's
+        observation window (the prompt's last queries, which the tree does not keep)."""
+        return OBS_WINDOW
+
+    # -- compressed copies ------------------------------------------------------------------
+
+    def insert_with_copy(self, key: RadixKey, value: torch.Tensor, kv: CompressedKV) -> InsertResult:
+        """Insert a prefix (SGLang's insert) and attach its compressed copy to the node ending it."""
+        result = self.insert(InsertParams(key=key, value=value))
+        node = result.last_device_node
+        length = self._path_len(node)
+        if length != len(key.page_aligned(self.page_size)):
+            raise ValueError(f"inserted prefix ends at {length} tokens, key has {len(key)}")
+        self.attach_copy(node, CompressedPrefix(length, kv))
+        return result
+
+    def attach_copy(self, node: TreeNode, copy: CompressedPrefix) -> None:
+        if node is self.root_node or node.parent is None or self._path_len(node) != copy.num_tokens:
+            raise ValueError("a compressed copy must be attached to the node ending its prefix")
+        old = self._copies.get(node.id)
+        if old is not None:
+            self.compressed_bytes -= old[1].nbytes
+        self._copies[node.id] = (node, copy)
+        self.compressed_bytes += copy.nbytes
+
+    def match_with_copy(self, key: RadixKey) -> tuple[MatchResult, CompressedPrefix | None]:
+        """SGLang's prefix match, and the compressed copy of the longest matched prefix that has one."""
+        result = self.match_prefix(MatchPrefixParams(key=key))
+        node = result.last_device_node
+        while node is not None and node is not self.root_node:
+            entry = self._copies.get(node.id)
+            if entry is not None and entry[0] is node:
+                return result, entry[1]
+            node = node.parent
+        return result, None
+
+    def copy_at(self, node: TreeNode) -> CompressedPrefix | None:
+        """The copy attached to ``node`` itself (not to an ancestor)."""
+        entry = self._copies.get(node.id)
+        return entry[1] if entry is not None and entry[0] is node else None
+
+    def nearest_copy(self, node: TreeNode) -> CompressedPrefix | None:
+        """The copy of the longest prefix on ``node``'s path from the root that has one."""
+        while node is not None and node is not self.root_node:
+            copy = self.copy_at(node)
+            if copy is not None:
+                return copy
+            node = node.parent
+        return None
+
+    def node_at(self, req: Req, length: int) -> TreeNode:
+        """The node ending exactly ``length`` tokens into ``req``'s cached prompt (SGLang's match
+        splits a node there if needed); ``length`` must not exceed what is cached."""
+        key = RadixKey(token_ids=req.origin_input_ids, extra_key=req.extra_key, limit=length,
+                       cache_salt=req.cache_salt)
+        node = self.match_prefix(MatchPrefixParams(key=key)).last_device_node
+        if self._path_len(node) != length:
+            raise ValueError(f"the tree holds {self._path_len(node)} tokens of this prompt, not {length}")
+        return node
+
+    def path_len(self, node: TreeNode) -> int:
+        """Tokens from the root to the end of ``node``."""
+        return self._path_len(node)
+
+    def copy_count(self) -> int:
+        return len(self._copies)
+
+    # -- rows of offloaded requests (offload.py) -----------------------------------------------
+
+    def free_kv_row(self, kv: ReqKvInfo, ranges: list[tuple[int, int]]) -> None:
+        """SGLang frees a request's row: positions whose KV was offloaded to the host tier hold no
+        slots of the row's own, so they are left out."""
+        ledger = offload_for(self.token_to_kv_pool_allocator)
+        if ledger is not None:
+            ranges = ledger.resident_ranges(kv.req_pool_idx, ranges)
+        if ranges:
+            super().free_kv_row(kv, ranges)
+
+    def on_release(self, req: Req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        ledger = offload_for(self.token_to_kv_pool_allocator)
+        if ledger is not None:
+            ledger.release(req.rid)
+        for listener in self.release_listeners:
+            listener(req.rid)
+
+    # -- keeping copies and tree together ------------------------------------------------------
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        super()._delete_leaf(node)
+        entry = self._copies.pop(node.id, None)
+        if entry is not None:
+            self.compressed_bytes -= entry[1].nbytes
+            self.copies_evicted += 1
+
+    def _path_len(self, node: TreeNode) -> int:
+        n = 0
+        while node is not None and node is not self.root_node:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+
+def create_radix_cache(ctx: TreeCacheBuildContext) -> VeriCacheRadixCache:
+    """Factory registered as ``vericache`` in SGLang's radix-cache registry."""
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
+        raise ValueError("the vericache radix cache serves full-attention models only")
+    if ctx.enable_hierarchical_cache:
+        raise ValueError("the vericache radix cache does not combine with --enable-hierarchical-cache yet")
+    return VeriCacheRadixCache(ctx.params)

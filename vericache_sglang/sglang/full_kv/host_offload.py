@@ -1,0 +1,218 @@
+"""``full_kv: "host"`` inside the worker: each request's full KV leaves the device after prefill and
+after every verification, and comes back, per layer, only for its verifications.
+
+One scheduler step of the worker is a run of *iterations* on the core scheduler's clock: the
+``horizon`` draft passes (every request drafts in each), then verify passes, each over the group of
+requests the scheduler placed there. Every request verifies once per step (SGLang emits tokens
+for every running request at every step), so its verification is placed at or after the last
+draft pass (``not_before``); its reload starts earlier, while drafting runs, on the link and
+memory rings. Groups verify one after another, so the device holds the full KV of the requests
+verifying next, not of the whole batch.
+
+Pieces: ``HostFullKV`` (host pool, transfer engine, layer counter), ``RequestOffload`` (which row
+positions live on the host; the vericache radix cache consults it when SGLang frees a row),
+``SlotArena`` (the reload room, taken from the scheduler's allocator while any request is
+offloaded and given back when none is, so SGLang's idle leak check holds) and ``StaggeredReloads``
+(the core scheduler's plan carried out).
+
+Tested on CPU inside real SGLang servers (tests/sglang/test_sglang_e2e_modes.py: answers identical to
+stock SGLang, the device pool's peak usage below stock's) and piece by piece on SGLang's objects
+(tests/sglang/test_sglang_host_tier.py, tests/sglang/test_sglang_offload.py); on a GPU unverified.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from vericache_sglang.core.schedule import StaggeredScheduler
+from vericache_sglang.sglang.config import VeriCacheConfig
+from vericache_sglang.sglang.full_kv.host_reloads import StaggeredReloads
+from vericache_sglang.sglang.full_kv.host_rows import RequestOffload, SlotArena, register_offload
+from vericache_sglang.sglang.full_kv.host_tier import HostFullKV
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+LINK_PROBE_BYTES = 64 << 20
+
+
+def measure_link(device: torch.device | str) -> float:
+    """Host-to-device bytes/s of one pinned copy (the scheduler's first estimate; reloads refine it)."""
+    device = torch.device(device)
+    pinned = device.type == "cuda"
+    src = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty_like(src, device=device)
+    dst.copy_(src, non_blocking=pinned)  # warm-up
+    if pinned:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    dst.copy_(src, non_blocking=pinned)
+    if pinned:
+        torch.cuda.synchronize(device)
+    return LINK_PROBE_BYTES / max(time.perf_counter() - t0, 1e-9)
+
+
+class HostOffload:
+    def __init__(self, cfg: VeriCacheConfig, model_runner: ModelRunner, allocator: BaseTokenToKVPoolAllocator,
+                 on_release: Callable[[str], None]):
+        pool = model_runner.token_to_kv_pool
+        if pool.page_size != 1:
+            raise ValueError("full_kv=host needs --page-size 1 (offloaded rows move token by token)")
+        self.horizon = cfg.horizon
+        self.allocator = allocator
+        self.arena_slots = max(1, int(pool.size * cfg.reload_room))
+        self.tier = HostFullKV(pool, capacity_tokens=max(1, int(pool.size * cfg.host_pool_ratio)))
+        self.ledger = RequestOffload(self.tier, model_runner.req_to_token_pool, allocator)
+        self.ledger.on_release.append(self._released)
+        self._on_release = on_release
+        register_offload(allocator, self.ledger)
+        if model_runner.token_to_kv_pool_allocator is not allocator:
+            register_offload(model_runner.token_to_kv_pool_allocator, self.ledger)
+        # the window: the drafts, then room for verify groups past them
+        self.window = 4 * (cfg.horizon + 1)
+        self.scheduler = StaggeredScheduler(
+            window=self.window, iteration_s=0.0, link_bytes_s=measure_link(pool.device),
+            memory_capacity=self.arena_slots * self.tier.bytes_per_token)
+        self.offloaded_bytes = 0  # totals, for the worker's metrics
+        self.reloaded_bytes = 0
+        self._verify_from = 0
+        self._unplanned: list[str] = []
+        self._planned: set[str] = set()
+        self.arena: SlotArena | None = None
+        self.reloads: StaggeredReloads | None = None
+
+    # -- after prefill and after each verification --------------------------------------------
+
+    def offload(self, req: Req, through: int) -> int:
+        """Move ``req``'s own positions up to ``through`` to the host tier (at most what one
+        reload can bring back); returns tokens moved. A request the reload room cannot take stays
+        on the device (no saving for it, still exact)."""
+        held = self.ledger.held(req.rid)
+        start = int(req.kv.cache_protected_len) if held is None else held[0]
+        end = min(through, start + self.arena_slots)
+        if end <= (start if held is None else held[1]) or not self._ensure_arena():
+            return 0
+        req.skip_radix_cache_insert = True  # its rows are no longer the tree's to take
+        moved = self.ledger.offload_through(req.rid, int(req.kv.req_pool_idx), start, end)
+        self.offloaded_bytes += moved * self.tier.bytes_per_token
+        return moved
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def plan(self, reqs: list[Req]) -> None:
+        """This step's offloaded requests verify at or after its last draft pass; they are placed
+        on the scheduler before the first pass (once an iteration has been timed)."""
+        self._verify_from = self.scheduler.now + self.horizon
+        self._unplanned = [req.rid for req in reqs if self._offloaded(req.rid)]
+        self._planned = set()
+
+    def draft_pass(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """One draft pass as one iteration: this step's requests are placed (from the first pass
+        that has an iteration time), the reloads due start, and the pass is timed."""
+        if self.reloads is not None and self.scheduler.iteration_s > 0:
+            self._admit_unplanned()
+        if self.reloads is not None:
+            self.scheduler.retry_waiting()
+            self.reloads.start_due()
+        t0 = time.perf_counter()
+        out = run()
+        seconds = time.perf_counter() - t0
+        if self.scheduler.iteration_s > 0:
+            self.scheduler.observe_iteration(seconds)
+        else:
+            self.scheduler.iteration_s = seconds  # the first pass ever: its own time is the estimate
+        self.scheduler.tick()
+        return out
+
+    def _admit_unplanned(self) -> None:
+        for rid in self._unplanned:
+            gap = max(1, self._verify_from - self.scheduler.now)
+            self.reloads.admit(rid, anchor_gap=gap, not_before=self._verify_from)
+            self._planned.add(rid)
+        self._unplanned = []
+
+    def _offloaded(self, rid: str) -> bool:
+        held = self.ledger.held(rid)
+        return held is not None and held[1] > held[0]
+
+    def verify(self, reqs: list[Req], verify: Callable[[torch.Tensor], torch.Tensor], width: int,
+               lent: Callable[[list[int], torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Run ``verify(batch_indices) -> logits [len * width, vocab]`` over groups: first the
+        requests with nothing offloaded, then each group the scheduler placed, its reloads lent to
+        its rows for the pass. Returns the logits of the whole batch, in batch order.
+
+        ``lent(batch_indices, logits)``: called after each group's pass, its reloads still lent
+        (``+refresh`` reads the requests' whole full KV then)."""
+        if self._unplanned and self.reloads is not None:
+            self._admit_unplanned()  # a step with no timed pass yet (horizon 0 never happens)
+        index = {req.rid: i for i, req in enumerate(reqs)}
+        pending = {rid for rid in index if rid in self._planned}
+        out: torch.Tensor | None = None
+
+        def run(rows: list[int]) -> None:
+            nonlocal out
+            logits = verify(torch.tensor(rows, dtype=torch.int64))
+            if lent is not None:
+                lent(rows, logits)
+            if out is None:
+                out = logits.new_empty(len(reqs) * width, logits.shape[-1])
+            at = (torch.tensor(rows)[:, None] * width + torch.arange(width)[None]).reshape(-1).to(logits.device)
+            out[at] = logits
+
+        resident = [i for rid, i in index.items() if rid not in pending]
+        if resident:
+            run(resident)
+        for _ in range(2 * self.window + len(reqs)):
+            if not pending:
+                break
+            self.scheduler.retry_waiting()
+            self.reloads.start_due()
+            group = [r for r in self.reloads.verifying() if r.rid in pending]
+            if group:
+                for r in group:
+                    self.ledger.lend(r.rid, r.slots)
+                    self.reloaded_bytes += int(r.slots.numel()) * self.tier.bytes_per_token
+                self.reloads.before_verify(group)
+                try:
+                    run([index[r.rid] for r in group])
+                finally:
+                    for r in group:
+                        self.ledger.unlend(r.rid)
+                    self.reloads.after_verify(group)
+                pending -= {r.rid for r in group}
+            self.scheduler.tick()
+        if pending:
+            # never emit unverified tokens: the step fails and the scheduler aborts these requests
+            raise RuntimeError(f"full_kv=host: {len(pending)} verifications found no reload slot this step")
+        assert out is not None
+        return out
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def _ensure_arena(self) -> bool:
+        if self.arena is not None:
+            return True
+        try:
+            self.arena = SlotArena(self.allocator, self.arena_slots)
+        except ValueError as e:
+            logger.warning("full_kv=host: no reload room now (%s); this request stays on the device", e)
+            return False
+        self.reloads = StaggeredReloads(self.tier, self.scheduler, self.arena)
+        return True
+
+    def _released(self, rid: str) -> None:
+        """SGLang freed ``rid``'s row (finished, aborted or retracted)."""
+        if self.reloads is not None:
+            self.reloads.cancel(rid)
+        self._on_release(rid)
+        if self.arena is not None and len(self.ledger) == 0 and not self.reloads.inflight:
+            self.arena.close()  # idle: SGLang's leak check counts every slot back in its allocator
+            self.arena, self.reloads = None, None
