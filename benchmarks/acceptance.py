@@ -84,23 +84,41 @@ def main(argv: list[str] | None = None) -> int:
                 matches[spec] = match
                 ckv_bytes = match.ckv.nbytes
                 for x, st in per_x.items():
-                    rows.append({"prompt": kind, "compressor": name, "ratio": ratio, "spec": spec, "horizon": x,
-                                 "mean_accepted_length": st["mean_accepted_length"],
-                                 "acceptance_rate": st["acceptance_rate"], "windows": st["windows"],
-                                 "compressed_over_full": ckv_bytes / pre.kv.nbytes})
-                print(f"{kind:6s} {spec:48s} " + " ".join(
-                    f"x={x}:{st['mean_accepted_length']:.2f}" for x, st in per_x.items())
-                    + f"  ({time.monotonic() - t:.0f}s)", flush=True)
+                    rows.append(
+                        {
+                            "prompt": kind,
+                            "compressor": name,
+                            "ratio": ratio,
+                            "spec": spec,
+                            "horizon": x,
+                            "mean_accepted_length": st["mean_accepted_length"],
+                            "acceptance_rate": st["acceptance_rate"],
+                            "windows": st["windows"],
+                            "compressed_over_full": ckv_bytes / pre.kv.nbytes,
+                        }
+                    )
+                print(
+                    f"{kind:6s} {spec:48s} "
+                    + " ".join(f"x={x}:{st['mean_accepted_length']:.2f}" for x, st in per_x.items())
+                    + f"  ({time.monotonic() - t:.0f}s)",
+                    flush=True,
+                )
         for name, ratio, check_kind, x in cfg["live_checks"]:
             if check_kind != kind:
                 continue
             spec = spec_for(name, ratio, len(tokens))
             res = engine.generate(pre, "vericache", spec, engine.config(max_new_tokens=cfg["new_tokens"], horizon=x))
             est = simulate(matches[spec], n, x) if spec in matches else None
-            live.append({"prompt": kind, "spec": spec, "horizon": x,
-                         "live_mean_accepted_length": res.stats.mean_accepted_length,
-                         "estimated_mean_accepted_length": est and est["mean_accepted_length"],
-                         "live_identical": res.tokens == reference.tokens})
+            live.append(
+                {
+                    "prompt": kind,
+                    "spec": spec,
+                    "horizon": x,
+                    "live_mean_accepted_length": res.stats.mean_accepted_length,
+                    "estimated_mean_accepted_length": est and est["mean_accepted_length"],
+                    "live_identical": res.tokens == reference.tokens,
+                }
+            )
         if kind == cfg["kl"]["prompt"]:
             for name in cfg["compressors"]:
                 spec = spec_for(name, cfg["kl"]["ratio"], len(tokens))
@@ -120,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                 entry["adaptive"] = throughput(st, cost)
                 entry["adaptive_mean_horizon"] = sum(st["horizons"]) / len(st["horizons"])
                 adaptive.append(entry)
-    out = {"config": cfg, "grid": rows, "live_checks": live, "kl": kl, "adaptive": adaptive,
-           "seconds": time.monotonic() - started}
+    out = {
+        "config": cfg,
+        "grid": rows,
+        "live_checks": live,
+        "kl": kl,
+        "adaptive": adaptive,
+        "seconds": time.monotonic() - started,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "acceptance.json").write_text(json.dumps(out, indent=1))
     (args.out / "acceptance.md").write_text(report(out))
@@ -133,43 +157,72 @@ def main(argv: list[str] | None = None) -> int:
 def report(out: dict) -> str:
     cfg = out["config"]
     hs = cfg["horizons"]
-    lines = ["# Acceptance by compressor, ratio and horizon (SmolLM2-135M-Instruct)", "",
-             f"Teacher-forced estimate along the full-KV greedy trajectory, {cfg['new_tokens']} new tokens per prompt; "
-             "mean accepted length = tokens committed per verification. Reproduce: "
-             "`python benchmarks/acceptance.py`.", "",
-             "| prompt | compressor | ratio | bytes kept | " + " | ".join(f"x={x}" for x in hs)
-             + f" | accept rate x={hs[0]} |", "|" + " --- |" * (5 + len(hs))]
+    lines = [
+        "# Acceptance by compressor, ratio and horizon (SmolLM2-135M-Instruct)",
+        "",
+        f"Teacher-forced estimate along the full-KV greedy trajectory, {cfg['new_tokens']} new tokens per prompt; "
+        "mean accepted length = tokens committed per verification. Reproduce: "
+        "`python benchmarks/acceptance.py`.",
+        "",
+        "| prompt | compressor | ratio | bytes kept | "
+        + " | ".join(f"x={x}" for x in hs)
+        + f" | accept rate x={hs[0]} |",
+        "|" + " --- |" * (5 + len(hs)),
+    ]
     cells: dict[tuple, dict] = {}
     for r in out["grid"]:
         cells.setdefault((r["prompt"], r["compressor"], r["ratio"]), {})[r["horizon"]] = r
     for (kind, name, ratio), by_x in cells.items():
         first = by_x[hs[0]]
-        lines.append(f"| {kind} | {name} | {ratio:g} | {first['compressed_over_full']:.3f} | "
-                     + " | ".join(f"{by_x[x]['mean_accepted_length']:.2f}" for x in hs)
-                     + f" | {first['acceptance_rate']:.2f} |")
-    lines += ["", "## Estimator against live runs", "", "| prompt | spec | x | live | estimated | live identical |",
-              "| --- | --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {kind} | {name} | {ratio:g} | {first['compressed_over_full']:.3f} | "
+            + " | ".join(f"{by_x[x]['mean_accepted_length']:.2f}" for x in hs)
+            + f" | {first['acceptance_rate']:.2f} |"
+        )
+    lines += [
+        "",
+        "## Estimator against live runs",
+        "",
+        "| prompt | spec | x | live | estimated | live identical |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for c in out["live_checks"]:
-        lines.append(f"| {c['prompt']} | `{c['spec']}` | {c['horizon']} | {c['live_mean_accepted_length']:.2f} | "
-                     f"{c['estimated_mean_accepted_length']:.2f} | {c['live_identical']} |")
-    lines += ["", "## Adaptive horizon against static horizons (tokens per draft-step time, declared cost model)", "",
-              "| cost model | prompt | spec | " + " | ".join(f"x={x}" for x in hs) + " | adaptive | mean adaptive x |",
-              "|" + " --- |" * (5 + len(hs))]
+        lines.append(
+            f"| {c['prompt']} | `{c['spec']}` | {c['horizon']} | {c['live_mean_accepted_length']:.2f} | "
+            f"{c['estimated_mean_accepted_length']:.2f} | {c['live_identical']} |"
+        )
+    lines += [
+        "",
+        "## Adaptive horizon against static horizons (tokens per draft-step time, declared cost model)",
+        "",
+        "| cost model | prompt | spec | " + " | ".join(f"x={x}" for x in hs) + " | adaptive | mean adaptive x |",
+        "|" + " --- |" * (5 + len(hs)),
+    ]
     for a in out["adaptive"]:
-        lines.append(f"| {a['cost_model']} | {a['prompt']} | `{a['spec']}` | "
-                     + " | ".join(f"{a[f'static_{x}']:.3f}" for x in hs)
-                     + f" | **{a['adaptive']:.3f}** | {a['adaptive_mean_horizon']:.1f} |")
+        lines.append(
+            f"| {a['cost_model']} | {a['prompt']} | `{a['spec']}` | "
+            + " | ".join(f"{a[f'static_{x}']:.3f}" for x in hs)
+            + f" | **{a['adaptive']:.3f}** | {a['adaptive_mean_horizon']:.1f} |"
+        )
     lines += ["", "Mean over the declared mix (equal weight per prompt kind and compressor):", ""]
     for model in cfg["adaptive"]["cost_models"]:
         sel = [a for a in out["adaptive"] if a["cost_model"] == model]
         means = {k: sum(a[k] for a in sel) / len(sel) for k in [*(f"static_{x}" for x in hs), "adaptive"]}
         best = max((k for k in means if k != "adaptive"), key=means.get)
-        lines.append(f"- {model}: " + ", ".join(f"{k} {v:.3f}" for k, v in means.items())
-                     + f"; adaptive / best static ({best}) = {means['adaptive'] / means[best]:.3f}")
+        lines.append(
+            f"- {model}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in means.items())
+            + f"; adaptive / best static ({best}) = {means['adaptive'] / means[best]:.3f}"
+        )
     if out["kl"]:
         where = f"{cfg['kl']['prompt']}, ratio {cfg['kl']['ratio']}"
-        lines += ["", f"## KL of lossy decoding from full-KV decoding ({where})", "",
-                  "| spec | mean KL steps 1-16 | mean KL last 16 steps | sequence KL |", "| --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"## KL of lossy decoding from full-KV decoding ({where})",
+            "",
+            "| spec | mean KL steps 1-16 | mean KL last 16 steps | sequence KL |",
+            "| --- | --- | --- | --- |",
+        ]
         for spec, curve in out["kl"].items():
             lines.append(f"| `{spec}` | {sum(curve[1:17]) / 16:.3f} | {sum(curve[-16:]) / 16:.3f} | {sum(curve):.2f} |")
     return "\n".join(lines) + "\n"
@@ -193,12 +246,32 @@ def plots(out: dict, where: Path) -> None:
     x_mid = hs[min(1, len(hs) - 1)]
     for metric, label in metrics:
         # against the horizon at the smallest ratio, and against the ratio at the second horizon
-        _grid_figure(plt, out["grid"], kinds, names, metric, label, "horizon", "ratio", min(ratios),
-                     "horizon x", where / f"acceptance_{metric}_vs_horizon.png")
-        _grid_figure(plt, out["grid"], kinds, names, metric, label, "ratio", "horizon", x_mid,
-                     "ratio (kept fraction of the full KV)",
-                     where / ("acceptance_vs_ratio.png" if metric == "mean_accepted_length"
-                              else "acceptance_rate_vs_ratio.png"))
+        _grid_figure(
+            plt,
+            out["grid"],
+            kinds,
+            names,
+            metric,
+            label,
+            "horizon",
+            "ratio",
+            min(ratios),
+            "horizon x",
+            where / f"acceptance_{metric}_vs_horizon.png",
+        )
+        _grid_figure(
+            plt,
+            out["grid"],
+            kinds,
+            names,
+            metric,
+            label,
+            "ratio",
+            "horizon",
+            x_mid,
+            "ratio (kept fraction of the full KV)",
+            where / ("acceptance_vs_ratio.png" if metric == "mean_accepted_length" else "acceptance_rate_vs_ratio.png"),
+        )
     if out["kl"]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for spec, curve in out["kl"].items():
@@ -215,14 +288,28 @@ def plots(out: dict, where: Path) -> None:
         plt.close(fig)
 
 
-def _grid_figure(plt, grid: list[dict], kinds: list[str], names: list[str], metric: str, label: str, axis: str,
-                 fixed_key: str, fixed: float, xlabel: str, path: Path) -> None:
+def _grid_figure(
+    plt,
+    grid: list[dict],
+    kinds: list[str],
+    names: list[str],
+    metric: str,
+    label: str,
+    axis: str,
+    fixed_key: str,
+    fixed: float,
+    xlabel: str,
+    path: Path,
+) -> None:
     """One panel per prompt kind: ``metric`` of every compressor against ``axis``, ``fixed_key`` held."""
     fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
     for ax, kind in zip(axes[0], kinds, strict=True):
         for name in names:
-            pts = sorted((r[axis], r[metric]) for r in grid
-                         if r["prompt"] == kind and r["compressor"] == name and r[fixed_key] == fixed)
+            pts = sorted(
+                (r[axis], r[metric])
+                for r in grid
+                if r["prompt"] == kind and r["compressor"] == name and r[fixed_key] == fixed
+            )
             if pts:
                 ax.plot(*zip(*pts, strict=True), label=name)
         ax.set_title(f"{kind}, {'x=' if fixed_key == 'horizon' else 'ratio '}{fixed:g}")

@@ -39,8 +39,11 @@ def dropper_spec(name: str, ratio: float, prompt_tokens: int, refresh: dict | No
     """``name`` at ``ratio`` of the bytes; with ``refresh``, ``base_share`` of it for the dropper and
     the rest in refreshed rows."""
     base = ratio if refresh is None else ratio * refresh["base_share"]
-    spec = (f"streamingllm:sink=4,window={max(1, round(base * prompt_tokens) - 4)}" if name == "streamingllm"
-            else f"{name}:ratio={base:g}")
+    spec = (
+        f"streamingllm:sink=4,window={max(1, round(base * prompt_tokens) - 4)}"
+        if name == "streamingllm"
+        else f"{name}:ratio={base:g}"
+    )
     if refresh is not None:
         spec += f"+refresh:ratio={ratio - base:g},span={refresh['span']}"
     return spec
@@ -72,14 +75,20 @@ def live_check(engine, pre, reference, traj, spec: str, x: int, new_tokens: int)
     from vericache_sglang.engine.engine import compare
 
     est = replay(engine.runner, pre, traj, parse_spec(spec), x)
-    res = engine.generate(pre, "vericache", spec, engine.config(max_new_tokens=new_tokens, horizon=x,
-                                                                keep_logits=True))
+    res = engine.generate(pre, "vericache", spec, engine.config(max_new_tokens=new_tokens, horizon=x, keep_logits=True))
     cmp = compare(reference, res)
-    return {"spec": spec, "horizon": x, "live_mean_accepted_length": res.stats.mean_accepted_length,
-            "estimated_mean_accepted_length": est["mean_accepted_length"],
-            "live_forwards": res.stats.decode_steps, "estimated_forwards": sum(est["forwards"]),
-            "live_lookup_drafted": res.stats.lookup_drafted, "compressed_kv_bytes": est["compressed_kv_bytes"],
-            "identical": cmp["identical"], "max_logit_diff": cmp["max_logit_abs_diff"]}
+    return {
+        "spec": spec,
+        "horizon": x,
+        "live_mean_accepted_length": res.stats.mean_accepted_length,
+        "estimated_mean_accepted_length": est["mean_accepted_length"],
+        "live_forwards": res.stats.decode_steps,
+        "estimated_forwards": sum(est["forwards"]),
+        "live_lookup_drafted": res.stats.lookup_drafted,
+        "compressed_kv_bytes": est["compressed_kv_bytes"],
+        "identical": cmp["identical"],
+        "max_logit_diff": cmp["max_logit_abs_diff"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind in cfg["prompts"]:
         pre, reference, traj = trajs[kind] = trajectory(kind, cfg["new_tokens"])
         out["outputs"][kind] = {"tokens": len(reference.tokens), "repetition_4gram": repetition(reference.tokens)}
-        log(f"{kind}: {len(prepared[kind][0])} prompt tokens, reference of {len(reference.tokens)} "
-            f"(4-gram repetition {repetition(reference.tokens):.2f})")
+        log(
+            f"{kind}: {len(prepared[kind][0])} prompt tokens, reference of {len(reference.tokens)} "
+            f"(4-gram repetition {repetition(reference.tokens):.2f})"
+        )
 
     def measure(kind: str, spec: str, x: int) -> dict:
         pre, _, traj = trajs[kind]
@@ -132,27 +143,52 @@ def main(argv: list[str] | None = None) -> int:
                 spec = dropper_spec(name, cfg["ratio"], len(prepared[kind][0]), refresh)
                 for x in cfg["horizons"]:
                     st = measure(kind, spec, x)
-                    out["grid"].append({"dropper": name, "refresh": refresh is not None, "prompt": kind, "horizon": x,
-                                        "spec": spec, "mean_accepted_length": st["mean_accepted_length"],
-                                        "bytes_over_full": st["bytes_over_full"]})
-            log(f"{name} refresh={'on' if refresh else 'off'}: " + " ".join(
-                f"{r['prompt']}/x={r['horizon']}:{r['mean_accepted_length']:.2f}" for r in out["grid"][-len(
-                    cfg["prompts"]) * len(cfg["horizons"]):]))
+                    out["grid"].append(
+                        {
+                            "dropper": name,
+                            "refresh": refresh is not None,
+                            "prompt": kind,
+                            "horizon": x,
+                            "spec": spec,
+                            "mean_accepted_length": st["mean_accepted_length"],
+                            "bytes_over_full": st["bytes_over_full"],
+                        }
+                    )
+            log(
+                f"{name} refresh={'on' if refresh else 'off'}: "
+                + " ".join(
+                    f"{r['prompt']}/x={r['horizon']}:{r['mean_accepted_length']:.2f}"
+                    for r in out["grid"][-len(cfg["prompts"]) * len(cfg["horizons"]) :]
+                )
+            )
     for label, spec in cfg["peers"].items():
         for kind in cfg["prompts"]:
             spec_k = peer_spec(spec, cfg["ratio"], len(prepared[kind][0]))
             for x in cfg["horizons"]:
                 st = measure(kind, spec_k, x)
-                row = {"method": label, "spec": spec_k, "prompt": kind, "horizon": x,
-                       "mean_accepted_length": st["mean_accepted_length"], "bytes_over_full": st["bytes_over_full"],
-                       "forwards_per_window": sum(st["forwards"]) / len(st["forwards"]),
-                       "lookup_share": st["lookup_drafted"] / st["drafted"] if st["drafted"] else 0.0,
-                       "lookup_accepted": st["lookup_accepted"], "accepted": st["accepted"]}
+                row = {
+                    "method": label,
+                    "spec": spec_k,
+                    "prompt": kind,
+                    "horizon": x,
+                    "mean_accepted_length": st["mean_accepted_length"],
+                    "bytes_over_full": st["bytes_over_full"],
+                    "forwards_per_window": sum(st["forwards"]) / len(st["forwards"]),
+                    "lookup_share": st["lookup_drafted"] / st["drafted"] if st["drafted"] else 0.0,
+                    "lookup_accepted": st["lookup_accepted"],
+                    "accepted": st["accepted"],
+                }
                 for model, cost in cfg["cost_models"].items():
                     row[f"per_cost_{model}"] = window_cost(st, cost)
                 out["peers"].append(row)
-        log(f"peer {label}: " + " ".join(f"{r['prompt']}/x={r['horizon']}:{r['mean_accepted_length']:.2f}"
-                                        for r in out["peers"] if r["method"] == label))
+        log(
+            f"peer {label}: "
+            + " ".join(
+                f"{r['prompt']}/x={r['horizon']}:{r['mean_accepted_length']:.2f}"
+                for r in out["peers"]
+                if r["method"] == label
+            )
+        )
     if cfg.get("rag"):
         out["rag"] = rag_peers(engine, cfg, log)
     long = cfg["long"]
@@ -164,17 +200,24 @@ def main(argv: list[str] | None = None) -> int:
         for c in st["committed"]:
             buckets.setdefault(done // long["bucket"], []).append(c)
             done += c
-        out["long"].append({"spec": spec, "per_window": {str(b * long["bucket"]): sum(v) / len(v)
-                                                         for b, v in sorted(buckets.items())},
-                            "mean_accepted_length": st["mean_accepted_length"]})
+        out["long"].append(
+            {
+                "spec": spec,
+                "per_window": {str(b * long["bucket"]): sum(v) / len(v) for b, v in sorted(buckets.items())},
+                "mean_accepted_length": st["mean_accepted_length"],
+            }
+        )
         log(f"long {spec}: " + " ".join(f"{k}:{v:.1f}" for k, v in out["long"][-1]["per_window"].items()))
     for kind, spec, x in cfg["live_checks"]:
         pre, reference, traj = trajs[kind]
-        out["live_checks"].append({"prompt": kind, **live_check(engine, pre, reference, traj, spec, x,
-                                                                       cfg["new_tokens"])})
+        out["live_checks"].append(
+            {"prompt": kind, **live_check(engine, pre, reference, traj, spec, x, cfg["new_tokens"])}
+        )
         row = out["live_checks"][-1]
-        log(f"live {kind} {spec} x={x}: live {row['live_mean_accepted_length']:.2f} est "
-            f"{row['estimated_mean_accepted_length']:.2f} identical={row['identical']}")
+        log(
+            f"live {kind} {spec} x={x}: live {row['live_mean_accepted_length']:.2f} est "
+            f"{row['estimated_mean_accepted_length']:.2f} identical={row['identical']}"
+        )
     out["seconds"] = time.monotonic() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "drafting.json").write_text(json.dumps(out, indent=1))
@@ -218,8 +261,9 @@ def rag_peers(engine, cfg: dict, log) -> list[dict]:
                 if i not in refs:
                     full = store.load_prefix(prompt, len(prefix.tokens))
                     refs[i] = generate_full(runner, prefill(runner, prompt, prefix=full), gen, engine.tokenizer)
-                res, _ = generate_vericache_from_prefix(runner, prefix, prompt, registry.compressor, store, gen,
-                                                        engine.tokenizer)
+                res, _ = generate_vericache_from_prefix(
+                    runner, prefix, prompt, registry.compressor, store, gen, engine.tokenizer
+                )
                 cmp = compare(refs[i], res)
                 identical &= cmp["identical"]
                 max_diff = max(max_diff, cmp["max_logit_abs_diff"])
@@ -227,38 +271,62 @@ def rag_peers(engine, cfg: dict, log) -> list[dict]:
                 stats["forwards"] += res.stats.draft_forwards
                 stats["drafted"] += sum(res.stats.drafted)
                 stats["lookup_drafted"] += res.stats.lookup_drafted
-            row = {"method": label, "spec": spec, "horizon": x, "prefix_tokens": len(prefix.tokens),
-                   "requests": len(prompts), "bytes_over_full": kept,
-                   "mean_accepted_length": sum(stats["committed"]) / len(stats["committed"]),
-                   "lookup_share": stats["lookup_drafted"] / stats["drafted"] if stats["drafted"] else 0.0,
-                   "identical": identical, "max_logit_diff": max_diff}
+            row = {
+                "method": label,
+                "spec": spec,
+                "horizon": x,
+                "prefix_tokens": len(prefix.tokens),
+                "requests": len(prompts),
+                "bytes_over_full": kept,
+                "mean_accepted_length": sum(stats["committed"]) / len(stats["committed"]),
+                "lookup_share": stats["lookup_drafted"] / stats["drafted"] if stats["drafted"] else 0.0,
+                "identical": identical,
+                "max_logit_diff": max_diff,
+            }
             for model, cost in cfg["cost_models"].items():
                 row[f"per_cost_{model}"] = window_cost(stats, cost)
             rows.append(row)
-        log(f"rag {label}: " + " ".join(f"x={r['horizon']}:{r['mean_accepted_length']:.2f}"
-                                        f"{'' if r['identical'] else ' NOT IDENTICAL'}"
-                                        for r in rows if r["method"] == label))
+        log(
+            f"rag {label}: "
+            + " ".join(
+                f"x={r['horizon']}:{r['mean_accepted_length']:.2f}{'' if r['identical'] else ' NOT IDENTICAL'}"
+                for r in rows
+                if r["method"] == label
+            )
+        )
     return rows
 
 
 def report(out: dict) -> str:
     cfg = out["config"]
     hs, kinds = cfg["horizons"], cfg["prompts"]
-    lines = ["# Drafting beyond a compressor: refresh, prompt lookup, peers (SmolLM2-135M-Instruct)", "",
-             f"{cfg['new_tokens']} new tokens per prompt, greedy; committed tokens per verification by the engine's "
-             "window-by-window replay along the full-KV trajectory (checked live below). Reproduce: "
-             "`python benchmarks/drafting.py`.", "",
-             "Outputs' 4-gram repetition (share of 4-grams seen earlier in the output): "
-             + ", ".join(f"{k} {v['repetition_4gram']:.2f}" for k, v in out["outputs"].items()), "",
-             "## Refresh on and off for every dropper (1/8 of the full KV's bytes)", ""]
-    head = ["dropper", "refresh", "bytes kept"] + [f"{k} x={x}" for x in hs for k in kinds] + [
-        f"geomean x={x}" for x in hs]
+    lines = [
+        "# Drafting beyond a compressor: refresh, prompt lookup, peers (SmolLM2-135M-Instruct)",
+        "",
+        f"{cfg['new_tokens']} new tokens per prompt, greedy; committed tokens per verification by the engine's "
+        "window-by-window replay along the full-KV trajectory (checked live below). Reproduce: "
+        "`python benchmarks/drafting.py`.",
+        "",
+        "Outputs' 4-gram repetition (share of 4-grams seen earlier in the output): "
+        + ", ".join(f"{k} {v['repetition_4gram']:.2f}" for k, v in out["outputs"].items()),
+        "",
+        "## Refresh on and off for every dropper (1/8 of the full KV's bytes)",
+        "",
+    ]
+    head = (
+        ["dropper", "refresh", "bytes kept"]
+        + [f"{k} x={x}" for x in hs for k in kinds]
+        + [f"geomean x={x}" for x in hs]
+    )
     rows = []
     for name in cfg["droppers"]:
         for on in (False, True):
             cells = [r for r in out["grid"] if r["dropper"] == name and r["refresh"] == on]
-            row = {"dropper": name, "refresh": "on" if on else "off",
-                   "bytes kept": sum(r["bytes_over_full"] for r in cells) / len(cells)}
+            row = {
+                "dropper": name,
+                "refresh": "on" if on else "off",
+                "bytes kept": sum(r["bytes_over_full"] for r in cells) / len(cells),
+            }
             for x in hs:
                 vals = []
                 for k in kinds:
@@ -267,13 +335,23 @@ def report(out: dict) -> str:
                     vals.append(v)
                 row[f"geomean x={x}"] = geomean(vals)
             rows.append(row)
-    lines += [table(rows, head), "", "## Peers side by side (same engine, prompts, cost model)", "",
-              "Committed tokens per verification (accepted length), and committed tokens per unit cost: a window "
-              "costs max(draft forwards, transfer) + verify (draft forward = 1, verify = 1.25; transfer 2.5 on a "
-              "GH200-like link, 15 on PCIe 5 at 32k context); prompt lookup's drafts cost 0. `lookup share`: drafts "
-              "from prompt lookup.", ""]
-    head = ["method", "bytes kept"] + [f"accepted x={x}" for x in hs] + [
-        f"{m} x={x}" for m in cfg["cost_models"] for x in hs] + [f"fwd/window x={hs[0]}", "lookup share"]
+    lines += [
+        table(rows, head),
+        "",
+        "## Peers side by side (same engine, prompts, cost model)",
+        "",
+        "Committed tokens per verification (accepted length), and committed tokens per unit cost: a window "
+        "costs max(draft forwards, transfer) + verify (draft forward = 1, verify = 1.25; transfer 2.5 on a "
+        "GH200-like link, 15 on PCIe 5 at 32k context); prompt lookup's drafts cost 0. `lookup share`: drafts "
+        "from prompt lookup.",
+        "",
+    ]
+    head = (
+        ["method", "bytes kept"]
+        + [f"accepted x={x}" for x in hs]
+        + [f"{m} x={x}" for m in cfg["cost_models"] for x in hs]
+        + [f"fwd/window x={hs[0]}", "lookup share"]
+    )
     rows = []
     for label in cfg["peers"]:
         cells = [r for r in out["peers"] if r["method"] == label]
@@ -291,34 +369,67 @@ def report(out: dict) -> str:
     if out.get("rag"):
         rag = cfg["rag"]
         first = out["rag"][0]
-        lines += [f"### On the RAG setting of `vericache bench prefix` ({first['prefix_tokens']}-token "
-                  f"{rag['document']} document registered once per method, {first['requests']} questions x "
-                  f"{rag['new_tokens']} new tokens, live runs, every output compared with full-KV decoding)", ""]
-        head = ["method", "bytes kept"] + [f"accepted x={x}" for x in hs] + [
-            f"{m} x={x}" for m in cfg["cost_models"] for x in hs] + ["lookup share", "identical"]
+        lines += [
+            f"### On the RAG setting of `vericache bench prefix` ({first['prefix_tokens']}-token "
+            f"{rag['document']} document registered once per method, {first['requests']} questions x "
+            f"{rag['new_tokens']} new tokens, live runs, every output compared with full-KV decoding)",
+            "",
+        ]
+        head = (
+            ["method", "bytes kept"]
+            + [f"accepted x={x}" for x in hs]
+            + [f"{m} x={x}" for m in cfg["cost_models"] for x in hs]
+            + ["lookup share", "identical"]
+        )
         rows = []
         for label in cfg["peers"]:
             cells = [r for r in out["rag"] if r["method"] == label]
-            row = {"method": label, "bytes kept": cells[0]["bytes_over_full"],
-                   "lookup share": sum(r["lookup_share"] for r in cells) / len(cells),
-                   "identical": all(r["identical"] for r in cells)}
+            row = {
+                "method": label,
+                "bytes kept": cells[0]["bytes_over_full"],
+                "lookup share": sum(r["lookup_share"] for r in cells) / len(cells),
+                "identical": all(r["identical"] for r in cells),
+            }
             for r in cells:
                 row[f"accepted x={r['horizon']}"] = r["mean_accepted_length"]
                 for m in cfg["cost_models"]:
                     row[f"{m} x={r['horizon']}"] = r[f"per_cost_{m}"]
             rows.append(row)
         lines += [table(rows, head), ""]
-    lines += [f"## Along a long generation ({cfg['long']['prompt']}, {cfg['long']['new_tokens']} tokens, "
-              f"x={cfg['long']['horizon']}): accepted length per {cfg['long']['bucket']}-token window", ""]
+    lines += [
+        f"## Along a long generation ({cfg['long']['prompt']}, {cfg['long']['new_tokens']} tokens, "
+        f"x={cfg['long']['horizon']}): accepted length per {cfg['long']['bucket']}-token window",
+        "",
+    ]
     for entry in out["long"]:
-        lines.append(f"- `{entry['spec']}` (mean {entry['mean_accepted_length']:.2f}): "
-                     + ", ".join(f"{k}+: {v:.1f}" for k, v in entry["per_window"].items()))
-    lines += ["", "## Replay against live VeriCache", "",
-              table(out["live_checks"], ["prompt", "spec", "horizon", "live_mean_accepted_length",
-                                         "estimated_mean_accepted_length", "live_forwards", "estimated_forwards",
-                                         "live_lookup_drafted", "identical", "max_logit_diff"]),
-              "", "Forwards past a window's first rejected draft are replayed as if the drafts had matched "
-              "(the estimate of draft cost; accepted lengths are exact).", ""]
+        lines.append(
+            f"- `{entry['spec']}` (mean {entry['mean_accepted_length']:.2f}): "
+            + ", ".join(f"{k}+: {v:.1f}" for k, v in entry["per_window"].items())
+        )
+    lines += [
+        "",
+        "## Replay against live VeriCache",
+        "",
+        table(
+            out["live_checks"],
+            [
+                "prompt",
+                "spec",
+                "horizon",
+                "live_mean_accepted_length",
+                "estimated_mean_accepted_length",
+                "live_forwards",
+                "estimated_forwards",
+                "live_lookup_drafted",
+                "identical",
+                "max_logit_diff",
+            ],
+        ),
+        "",
+        "Forwards past a window's first rejected draft are replayed as if the drafts had matched "
+        "(the estimate of draft cost; accepted lengths are exact).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -333,8 +444,16 @@ def plot(out: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     names = cfg["droppers"]
     for offset, on in ((-0.2, False), (0.2, True)):
-        vals = [geomean([r["mean_accepted_length"] for r in out["grid"]
-                         if r["dropper"] == n and r["refresh"] == on and r["horizon"] == x]) for n in names]
+        vals = [
+            geomean(
+                [
+                    r["mean_accepted_length"]
+                    for r in out["grid"]
+                    if r["dropper"] == n and r["refresh"] == on and r["horizon"] == x
+                ]
+            )
+            for n in names
+        ]
         axes[0].bar([i + offset for i in range(len(names))], vals, width=0.4, label=f"refresh {'on' if on else 'off'}")
     axes[0].set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
     axes[0].set_ylabel(f"accepted length, x={x} (geomean)")

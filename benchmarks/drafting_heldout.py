@@ -55,8 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     from vericache_sglang.engine.engine import Engine
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", nargs="+", choices=list(SPECS), metavar="LABEL",
-                   help="measure these configurations and keep the others' rows of the last run")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(SPECS),
+        metavar="LABEL",
+        help="measure these configurations and keep the others' rows of the last run",
+    )
     args = p.parse_args(argv)
     measured = args.only or list(SPECS)
     measured_specs = {SPECS[m] for m in measured}
@@ -74,15 +79,24 @@ def main(argv: list[str] | None = None) -> int:
         pre = engine.prefill(tokens, reuse_prefix=False)
         ref = engine.generate(pre, "full", cfg=engine.config(max_new_tokens=NEW_TOKENS, keep_logits=True))
         traj = Trajectory.of(engine.runner, pre, ref)
-        out["prompts"][kind] = {"prompt_tokens": len(tokens), "new_tokens": len(ref.tokens),
-                                "repetition_4gram": repetition(ref.tokens)}
+        out["prompts"][kind] = {
+            "prompt_tokens": len(tokens),
+            "new_tokens": len(ref.tokens),
+            "repetition_4gram": repetition(ref.tokens),
+        }
         for label in measured:
             spec = SPECS[label]
             for x in HORIZONS:
                 st = replay(engine.runner, pre, traj, parse_spec(spec), x)
-                out["replay"].append({"config": label, "prompt": kind, "horizon": x,
-                                      "mean_accepted_length": st["mean_accepted_length"],
-                                      "bytes_over_full": st["compressed_kv_bytes"] / pre.kv.nbytes})
+                out["replay"].append(
+                    {
+                        "config": label,
+                        "prompt": kind,
+                        "horizon": x,
+                        "mean_accepted_length": st["mean_accepted_length"],
+                        "bytes_over_full": st["compressed_kv_bytes"] / pre.kv.nbytes,
+                    }
+                )
                 print(json.dumps(out["replay"][-1]), file=sys.stderr, flush=True)
         for spec in (s for s in LIVE if s in measured_specs):
             out["live"].append({"prompt": kind, **live_check(engine, pre, ref, traj, spec, 32, NEW_TOKENS)})
@@ -123,33 +137,64 @@ def report(out: dict) -> str:
         for x in HORIZONS:
             per = {r["prompt"]: r for r in out["replay"] if r["config"] == label and r["horizon"] == x}
             gm = next(g["geomean"] for g in out["geomean"] if g["config"] == label and g["horizon"] == x)
-            rows.append({"configuration": label, "spec": f"`{spec}`", "x": x,
-                         **{k: f"{per[k]['mean_accepted_length']:.2f}" for k in KINDS}, "geomean": f"**{gm:.2f}**",
-                         "ratio": f"{nominal_ratio(spec):.4f}",
-                         "bytes / full KV": f"{max(r['bytes_over_full'] for r in per.values()):.4f}"})
-    live = [{"spec": f"`{r['spec']}`", "prompt": r["prompt"], "x": r["horizon"],
-             "live accepted": f"{r['live_mean_accepted_length']:.2f}",
-             "replay": f"{r['estimated_mean_accepted_length']:.2f}", "identical": r["identical"],
-             "max abs dlogit": f"{r['max_logit_diff']:.2e}"} for r in out["live"]]
-    prompts = [{"prompt": k, "prompt tokens": p["prompt_tokens"], "new tokens": p["new_tokens"],
-                "4-gram repetition": f"{p['repetition_4gram']:.2f}"} for k, p in out["prompts"].items()]
-    return "\n\n".join([
-        "# Held-out prompts: committed tokens per verification (issue #16's targets)",
-        f"SmolLM2-135M-Instruct, greedy, {out['new_tokens']} new tokens, replay along the full-KV trajectory. "
-        "Prompts in `benchmarks/prompts/heldout/`; no configuration was tuned on them. "
-        f"Run: `python benchmarks/drafting_heldout.py` ({out.get('seconds_before', out['seconds']) / 60:.0f} min"
-        + (f"; {', '.join(out['remeasured'])} re-measured with `--only` in {out['seconds'] / 60:.0f} min)."
-           if "remeasured" in out else ")."),
-        table(rows, ["configuration", "spec", "x", *KINDS, "geomean", "ratio", "bytes / full KV"]),
-        "`ratio`: the issue's measure (tokens kept x bits / 16 + refreshed rows); `bytes / full KV`: "
-        "the compressed KV's bytes (positions and quantization scales included) over this machine's "
-        "float32 full KV. Against a 16-bit KV a quantizer's codes weigh twice as much: "
-        "`kvzip 1/2 + KIVI 4-bit` would hold ~0.15 of it with scales and residual.",
-        "## Prompts and the full-KV outputs' repetition (share of 4-grams seen earlier in the output)",
-        table(prompts, ["prompt", "prompt tokens", "new tokens", "4-gram repetition"]),
-        "## Live VeriCache against its replay",
-        table(live, ["spec", "prompt", "x", "live accepted", "replay", "identical", "max abs dlogit"]),
-    ]) + "\n"
+            rows.append(
+                {
+                    "configuration": label,
+                    "spec": f"`{spec}`",
+                    "x": x,
+                    **{k: f"{per[k]['mean_accepted_length']:.2f}" for k in KINDS},
+                    "geomean": f"**{gm:.2f}**",
+                    "ratio": f"{nominal_ratio(spec):.4f}",
+                    "bytes / full KV": f"{max(r['bytes_over_full'] for r in per.values()):.4f}",
+                }
+            )
+    live = [
+        {
+            "spec": f"`{r['spec']}`",
+            "prompt": r["prompt"],
+            "x": r["horizon"],
+            "live accepted": f"{r['live_mean_accepted_length']:.2f}",
+            "replay": f"{r['estimated_mean_accepted_length']:.2f}",
+            "identical": r["identical"],
+            "max abs dlogit": f"{r['max_logit_diff']:.2e}",
+        }
+        for r in out["live"]
+    ]
+    prompts = [
+        {
+            "prompt": k,
+            "prompt tokens": p["prompt_tokens"],
+            "new tokens": p["new_tokens"],
+            "4-gram repetition": f"{p['repetition_4gram']:.2f}",
+        }
+        for k, p in out["prompts"].items()
+    ]
+    return (
+        "\n\n".join(
+            [
+                "# Held-out prompts: committed tokens per verification (issue #16's targets)",
+                f"SmolLM2-135M-Instruct, greedy, {out['new_tokens']} new tokens, replay along the full-KV trajectory. "
+                "Prompts in `benchmarks/prompts/heldout/`; no configuration was tuned on them. "
+                "Run: `python benchmarks/drafting_heldout.py` "
+                f"({out.get('seconds_before', out['seconds']) / 60:.0f} min"
+                + (
+                    f"; {', '.join(out['remeasured'])} re-measured with `--only` in {out['seconds'] / 60:.0f} min)."
+                    if "remeasured" in out
+                    else ")."
+                ),
+                table(rows, ["configuration", "spec", "x", *KINDS, "geomean", "ratio", "bytes / full KV"]),
+                "`ratio`: the issue's measure (tokens kept x bits / 16 + refreshed rows); `bytes / full KV`: "
+                "the compressed KV's bytes (positions and quantization scales included) over this machine's "
+                "float32 full KV. Against a 16-bit KV a quantizer's codes weigh twice as much: "
+                "`kvzip 1/2 + KIVI 4-bit` would hold ~0.15 of it with scales and residual.",
+                "## Prompts and the full-KV outputs' repetition (share of 4-grams seen earlier in the output)",
+                table(prompts, ["prompt", "prompt tokens", "new tokens", "4-gram repetition"]),
+                "## Live VeriCache against its replay",
+                table(live, ["spec", "prompt", "x", "live accepted", "replay", "identical", "max abs dlogit"]),
+            ]
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

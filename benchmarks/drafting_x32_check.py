@@ -45,8 +45,17 @@ def main() -> int:
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             else:
                 for spec in (SWEPT, FIXED):
-                    rows.append({"prompt": kind, "n": n, "spec": spec, "horizon": 32, "estimated_mean_accepted_length":
-                                 replay(engine.runner, pre, traj, parse_spec(spec), 32)["mean_accepted_length"]})
+                    rows.append(
+                        {
+                            "prompt": kind,
+                            "n": n,
+                            "spec": spec,
+                            "horizon": 32,
+                            "estimated_mean_accepted_length": replay(engine.runner, pre, traj, parse_spec(spec), 32)[
+                                "mean_accepted_length"
+                            ],
+                        }
+                    )
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     (RESULTS / "drafting_x32_sweep_check.json").write_text(json.dumps(rows, indent=1))
     return 0

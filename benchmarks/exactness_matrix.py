@@ -17,19 +17,29 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = {name: HERE / "prompts" / f"{name}.txt" for name in ("code", "prose", "tools")}
-COMPRESSORS = ["snapkv:ratio=0.125", "kivi:bits=2", "streamingllm:window=256",
-               # drafting modifiers (issue #16): the recommended configuration, and refresh with trusted lookup
-               "snapkv:ratio=0.03125+refresh:ratio=0.09375,span=16+lookup:trust=0",
-               "h2o:ratio=0.03125+refresh:ratio=0.09375,span=16+lookup:trust=4",
-               # the best acceptance at 1/8 (README "Drafting beyond a compressor"): a composition with refresh
-               "kvzip:ratio=0.45+kivi:bits=4,group=64,residual=64+refresh:ratio=0.0125,span=14"]
+COMPRESSORS = [
+    "snapkv:ratio=0.125",
+    "kivi:bits=2",
+    "streamingllm:window=256",
+    # drafting modifiers (issue #16): the recommended configuration, and refresh with trusted lookup
+    "snapkv:ratio=0.03125+refresh:ratio=0.09375,span=16+lookup:trust=0",
+    "h2o:ratio=0.03125+refresh:ratio=0.09375,span=16+lookup:trust=4",
+    # the best acceptance at 1/8 (README "Drafting beyond a compressor"): a composition with refresh
+    "kvzip:ratio=0.45+kivi:bits=4,group=64,residual=64+refresh:ratio=0.0125,span=14",
+]
 GREEDY_HORIZONS = (16, 32)
 SAMPLED_HORIZON = 16
 SAMPLED_SEED, SAMPLED_TEMPERATURE = 1234, 0.8
 
 
-def run_matrix(new_tokens: int = 256, out_dir: Path = HERE / "results", prompts: list[str] | None = None,
-               log=print, compressors: list[str] | None = None, stem: str = "matrix") -> list[dict]:
+def run_matrix(
+    new_tokens: int = 256,
+    out_dir: Path = HERE / "results",
+    prompts: list[str] | None = None,
+    log=print,
+    compressors: list[str] | None = None,
+    stem: str = "matrix",
+) -> list[dict]:
     from vericache_sglang.core.sampling import SamplingParams
     from vericache_sglang.engine.engine import Engine, compare
     from vericache_sglang.engine.report import repetition
@@ -42,8 +52,9 @@ def run_matrix(new_tokens: int = 256, out_dir: Path = HERE / "results", prompts:
         pre = engine.prefill(tokens, reuse_prefix=False)
         refs = {}
         for mode, sampling in (("greedy", None), ("sampled", sampled)):
-            cfg = engine.config(max_new_tokens=new_tokens, keep_logits=True,
-                                **({"sampling": sampling} if sampling else {}))
+            cfg = engine.config(
+                max_new_tokens=new_tokens, keep_logits=True, **({"sampling": sampling} if sampling else {})
+            )
             refs[mode] = (engine.generate(pre, "full", cfg=cfg), cfg)
         for spec in compressors or COMPRESSORS:
             lossy = engine.generate(pre, "lossy", spec, refs["greedy"][1])
@@ -51,25 +62,36 @@ def run_matrix(new_tokens: int = 256, out_dir: Path = HERE / "results", prompts:
             runs = [("greedy", x) for x in GREEDY_HORIZONS] + [("sampled", SAMPLED_HORIZON)]
             for mode, x in runs:
                 ref, base = refs[mode]
-                cfg = engine.config(max_new_tokens=new_tokens, keep_logits=True, horizon=x,
-                                    sampling=base.sampling)
+                cfg = engine.config(max_new_tokens=new_tokens, keep_logits=True, horizon=x, sampling=base.sampling)
                 t = time.monotonic()
                 res = engine.generate(pre, "vericache", spec, cfg)
                 cmp = compare(ref, res)
                 row = {
-                    "prompt": prompt, "prompt_tokens": len(tokens), "compressor": spec, "mode": mode,
-                    "horizon": x, "identical": cmp["identical"], "first_mismatch": cmp["first_mismatch"],
-                    "max_logit_abs_diff": cmp["max_logit_abs_diff"], "generated_tokens": len(res.tokens),
+                    "prompt": prompt,
+                    "prompt_tokens": len(tokens),
+                    "compressor": spec,
+                    "mode": mode,
+                    "horizon": x,
+                    "identical": cmp["identical"],
+                    "first_mismatch": cmp["first_mismatch"],
+                    "max_logit_abs_diff": cmp["max_logit_abs_diff"],
+                    "generated_tokens": len(res.tokens),
                     "mean_accepted_length": res.stats.mean_accepted_length,
-                    "acceptance_rate": res.stats.acceptance_rate, "verify_passes": res.stats.verify_passes,
-                    "repetition": repetition(res.tokens), "vericache_tok_s": res.tokens_per_second,
-                    "full_tok_s": ref.tokens_per_second, "lossy_first_mismatch": lossy_cmp["first_mismatch"],
+                    "acceptance_rate": res.stats.acceptance_rate,
+                    "verify_passes": res.stats.verify_passes,
+                    "repetition": repetition(res.tokens),
+                    "vericache_tok_s": res.tokens_per_second,
+                    "full_tok_s": ref.tokens_per_second,
+                    "lossy_first_mismatch": lossy_cmp["first_mismatch"],
                     "compressed_kv_bytes": res.stats.compressed_kv_bytes,
-                    "full_kv_bytes": res.stats.full_kv_bytes, "seconds": time.monotonic() - t,
+                    "full_kv_bytes": res.stats.full_kv_bytes,
+                    "seconds": time.monotonic() - t,
                 }
                 rows.append(row)
-                log(f"{prompt:<6} {spec:<24} {mode:<7} x={x:<3} identical={cmp['identical']} "
-                    f"accepted={row['mean_accepted_length']:.2f} max|dlogit|={cmp['max_logit_abs_diff']:.2e}")
+                log(
+                    f"{prompt:<6} {spec:<24} {mode:<7} x={x:<3} identical={cmp['identical']} "
+                    f"accepted={row['mean_accepted_length']:.2f} max|dlogit|={cmp['max_logit_abs_diff']:.2e}"
+                )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(rows, indent=2))
     (out_dir / f"{stem}.md").write_text(markdown(rows, new_tokens))
@@ -108,14 +130,25 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--prompts", nargs="*", choices=list(PROMPTS))
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--compressors", nargs="+", choices=COMPRESSORS, metavar="SPEC",
-                   help="a subset of the matrix's compressors (written to --stem, not over the whole matrix)")
+    p.add_argument(
+        "--compressors",
+        nargs="+",
+        choices=COMPRESSORS,
+        metavar="SPEC",
+        help="a subset of the matrix's compressors (written to --stem, not over the whole matrix)",
+    )
     p.add_argument("--stem", default=None, help="output name (default: matrix, or matrix_subset with --compressors)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     stem = args.stem or ("matrix_subset" if args.compressors else "matrix")
-    rows = run_matrix(args.new_tokens, args.out, args.prompts, log=lambda s: print(s, file=sys.stderr),
-                      compressors=args.compressors, stem=stem)
+    rows = run_matrix(
+        args.new_tokens,
+        args.out,
+        args.prompts,
+        log=lambda s: print(s, file=sys.stderr),
+        compressors=args.compressors,
+        stem=stem,
+    )
     print(f"identical: {sum(r['identical'] for r in rows)} of {len(rows)}")
     return 0 if all(r["identical"] for r in rows) else 1
 

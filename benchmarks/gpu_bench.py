@@ -33,12 +33,25 @@ sys.path.insert(0, str(REPO))
 
 SHAPES = {
     # real model shapes with fewer layers (the per-layer costs scale; the result is per layer too)
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                      vocab_size=128256, layers=8),
-    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8,
-                        vocab_size=152064, layers=4),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=512, layers=2),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        layers=8,
+    ),
+    "qwen2.5-32b": dict(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        layers=4,
+    ),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512, layers=2
+    ),
 }
 
 
@@ -105,14 +118,19 @@ def section_decode(shape: str, device: str, dtype_name: str, quick: bool, deadli
     horizon = 16
     rows = []
     g = torch.Generator(device="cpu").manual_seed(1)
-    kv = [(torch.randn(lay.num_kv_heads, context, lay.head_dim, generator=g).to(device, dtype),
-           torch.randn(lay.num_kv_heads, context, lay.head_dim, generator=g).to(device, dtype))
-          for _ in range(lay.num_layers)]
+    kv = [
+        (
+            torch.randn(lay.num_kv_heads, context, lay.head_dim, generator=g).to(device, dtype),
+            torch.randn(lay.num_kv_heads, context, lay.head_dim, generator=g).to(device, dtype),
+        )
+        for _ in range(lay.num_layers)
+    ]
     from vericache_sglang.core.kv import FullKV
 
     full = FullKV(lay, kv)
-    obs = Observation([torch.randn(runner.num_heads, 64, lay.head_dim, generator=g).to(device, dtype)
-                       for _ in range(lay.num_layers)])
+    obs = Observation(
+        [torch.randn(runner.num_heads, 64, lay.head_dim, generator=g).to(device, dtype) for _ in range(lay.num_layers)]
+    )
     ckv = parse_spec("snapkv:ratio=0.125").compress(full, obs)
     for b in batches:
         if time.monotonic() > deadline:
@@ -133,11 +151,23 @@ def section_decode(shape: str, device: str, dtype_name: str, quick: bool, deadli
             ctx = [ResidentKV.from_full(full, context + horizon + 1, device) for _ in range(1)]
             runner.forward([Segment([1] * (horizon + 1), list(range(context, context + horizon + 1)), ctx[0])])
 
-        rows.append({"batch": b, "context": context, "full_decode_step_s": timed(full_step, device),
-                     "compressed_draft_step_s": timed(draft_step, device),
-                     "verify_pass_s": timed(verify_pass, device, repeats=3)})
-    return {"shape": shape, "dtype": dtype_name, "layers_run": lay.num_layers,
-            "full_kv_bytes_per_request": full.nbytes, "compressed_kv_bytes_per_request": ckv.nbytes, "rows": rows}
+        rows.append(
+            {
+                "batch": b,
+                "context": context,
+                "full_decode_step_s": timed(full_step, device),
+                "compressed_draft_step_s": timed(draft_step, device),
+                "verify_pass_s": timed(verify_pass, device, repeats=3),
+            }
+        )
+    return {
+        "shape": shape,
+        "dtype": dtype_name,
+        "layers_run": lay.num_layers,
+        "full_kv_bytes_per_request": full.nbytes,
+        "compressed_kv_bytes_per_request": ckv.nbytes,
+        "rows": rows,
+    }
 
 
 def section_kernels(device: str, quick: bool) -> dict:
@@ -160,20 +190,39 @@ def section_kernels(device: str, quick: bool) -> dict:
 
 
 # Every compressor on the device (kvzip needs a tokenizer, which a random model has not).
-DEVICE_SPECS = ["streamingllm:window=128", "h2o", "snapkv", "pyramidkv", "adakv", "expected_attention", "tova",
-                "knorm", "quest", "kivi:bits=2", "int8", "int4", "kvquant", "rotatekv",
-                "snapkv:ratio=0.25+kivi:bits=4"]
+DEVICE_SPECS = [
+    "streamingllm:window=128",
+    "h2o",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+    "expected_attention",
+    "tova",
+    "knorm",
+    "quest",
+    "kivi:bits=2",
+    "int8",
+    "int4",
+    "kvquant",
+    "rotatekv",
+    "snapkv:ratio=0.25+kivi:bits=4",
+]
 
 
 # (dtype, row_bucket, row_attention, specs): float32 as it is, then bfloat16 plain and with the
 # runner's batch-invariance options (see ModelRunner), to find what low precision needs.
 CHECK_SHORT = ["snapkv", "kivi:bits=2", "int8", "quest"]
-VARIANTS = {"fp32": ("float32", 0, False, DEVICE_SPECS), "bf16": ("bfloat16", 0, False, CHECK_SHORT),
-            "bf16-rows": ("bfloat16", 64, False, CHECK_SHORT), "bf16-invariant": ("bfloat16", 64, True, DEVICE_SPECS)}
+VARIANTS = {
+    "fp32": ("float32", 0, False, DEVICE_SPECS),
+    "bf16": ("bfloat16", 0, False, CHECK_SHORT),
+    "bf16-rows": ("bfloat16", 64, False, CHECK_SHORT),
+    "bf16-invariant": ("bfloat16", 64, True, DEVICE_SPECS),
+}
 
 
-def section_compressors(device: str, quick: bool, deadline: float, variants: list[str] | None = None,
-                        specs: list[str] | None = None) -> dict:
+def section_compressors(
+    device: str, quick: bool, deadline: float, variants: list[str] | None = None, specs: list[str] | None = None
+) -> dict:
     """VeriCache against full-KV greedy decoding on the device for every compressor, on a seeded
     random Llama (weights spread wide enough that argmax is rarely a near-tie)."""
     import torch
@@ -192,15 +241,24 @@ def section_compressors(device: str, quick: bool, deadline: float, variants: lis
     for key in variants or list(VARIANTS):
         dtype_name, bucket, row_attention, default_specs = VARIANTS[key]
         dtype = getattr(torch, dtype_name)
-        config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024,
-                             num_hidden_layers=2 if quick else 4, num_attention_heads=8, num_key_value_heads=2,
-                             max_position_embeddings=8192, initializer_range=0.2, tie_word_embeddings=False)
+        config = LlamaConfig(
+            vocab_size=4096,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=2 if quick else 4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=8192,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+        )
         torch.manual_seed(0)
         with torch.device(device):
             model = LlamaForCausalLM(config).to(dtype).eval()
         name = f"random-gpu-check-{dtype_name}"
-        runner = ModelRunner(LoadedModel(model, None, name, name + "@seed0", None), row_bucket=bucket,
-                             row_attention=row_attention)
+        runner = ModelRunner(
+            LoadedModel(model, None, name, name + "@seed0", None), row_bucket=bucket, row_attention=row_attention
+        )
         n = 256 if quick else 1536
         prompt = torch.randint(0, 4096, (n,), generator=torch.Generator().manual_seed(1)).tolist()
         pre = prefill(runner, prompt)
@@ -215,9 +273,16 @@ def section_compressors(device: str, quick: bool, deadline: float, variants: lis
                 store = FullKVStore(MemoryStore(), runner.layout, chunk_tokens=64)
                 res = generate_vericache(runner, pre, parse_spec(spec), store, cfg)
                 cmp = compare(ref, res)
-                rows.append({**variant, "compressor": spec, "identical": cmp["identical"],
-                             "first_mismatch": cmp["first_mismatch"], "max_logit_abs_diff": cmp["max_logit_abs_diff"],
-                             "mean_accepted_length": res.stats.mean_accepted_length})
+                rows.append(
+                    {
+                        **variant,
+                        "compressor": spec,
+                        "identical": cmp["identical"],
+                        "first_mismatch": cmp["first_mismatch"],
+                        "max_logit_abs_diff": cmp["max_logit_abs_diff"],
+                        "mean_accepted_length": res.stats.mean_accepted_length,
+                    }
+                )
             except Exception as e:  # one compressor's failure is a result; the others still run
                 rows.append({**variant, "compressor": spec, "error": f"{type(e).__name__}: {e}"})
     return {"label": "seeded random Llama on the device; exactness of VeriCache vs full-KV greedy", "rows": rows}
@@ -248,9 +313,16 @@ def section_model(bandwidth: dict, decode: dict, acceptance: dict) -> dict:
             t_gpu = r["compressed_draft_step_s"] + r["verify_pass_s"] * b / (x + 1)
             t_xfer = (b / (x + 1)) * full_bytes / bandwidth["h2d_bytes_s"]
             t_iter = max(t_gpu, t_xfer)
-            out.append({"batch": b, "compressor": spec, "replayed_accepted_length": accepted,
-                        "vericache_tok_s": b * (accepted / (x + 1)) / t_iter,
-                        "full_resident_tok_s": b / r["full_decode_step_s"], "link_bound": t_xfer > t_gpu})
+            out.append(
+                {
+                    "batch": b,
+                    "compressor": spec,
+                    "replayed_accepted_length": accepted,
+                    "vericache_tok_s": b * (accepted / (x + 1)) / t_iter,
+                    "full_resident_tok_s": b / r["full_decode_step_s"],
+                    "link_bound": t_xfer > t_gpu,
+                }
+            )
     return {"label": "MODEL: acceptance replayed from a CPU run (SmolLM2), timings measured here", "rows": out}
 
 
@@ -262,10 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--minutes", type=float, default=5.0, help="the whole run's time box")
     p.add_argument("--quick", action="store_true", help="tiny shapes (the CPU check of this script)")
-    p.add_argument("--sections", default="bandwidth,kernels,compressors,decode",
-                   help="comma-separated sections to run (default: all)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"compressors section: comma-separated runner variants of {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--sections",
+        default="bandwidth,kernels,compressors,decode",
+        help="comma-separated sections to run (default: all)",
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"compressors section: comma-separated runner variants of {', '.join(VARIANTS)}",
+    )
     p.add_argument("--specs", default="", help="compressors section: ';'-separated specs (default: each variant's)")
     p.add_argument("--acceptance", type=Path, default=REPO / "benchmarks" / "results" / "matrix.json")
     args = p.parse_args(argv)
@@ -278,16 +356,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     deadline = time.monotonic() + 60 * args.minutes
     shape = "tiny" if args.quick else args.shape
-    results: dict = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-                     "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
-                     "shape": shape, "quick": args.quick, "errors": {}}
+    results: dict = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
+        "shape": shape,
+        "quick": args.quick,
+        "errors": {},
+    }
     # The short sections first; the decode sweep takes what time is left.
-    sections = [("bandwidth", lambda: section_bandwidth(args.device, args.quick)),
-                ("kernels", lambda: section_kernels(args.device, args.quick)),
-                ("compressors", lambda: section_compressors(args.device, args.quick, deadline, variants,
-                                                            [x for x in args.specs.split(";") if x] or None)),
-                ("decode", lambda: section_decode(shape, args.device, args.dtype if args.device != "cpu" else "float32",
-                                                  args.quick, deadline))]
+    sections = [
+        ("bandwidth", lambda: section_bandwidth(args.device, args.quick)),
+        ("kernels", lambda: section_kernels(args.device, args.quick)),
+        (
+            "compressors",
+            lambda: section_compressors(
+                args.device, args.quick, deadline, variants, [x for x in args.specs.split(";") if x] or None
+            ),
+        ),
+        (
+            "decode",
+            lambda: section_decode(
+                shape, args.device, args.dtype if args.device != "cpu" else "float32", args.quick, deadline
+            ),
+        ),
+    ]
     variants = args.variants.split(",")
     if set(variants) - set(VARIANTS):
         p.error(f"unknown variants: {', '.join(sorted(set(variants) - set(VARIANTS)))}")
@@ -308,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
             results["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
         results.setdefault("seconds", {})[name] = time.monotonic() - t
     results["acceptance_replayed"] = replayed_acceptance(args.acceptance)
-    results["model"] = section_model(results.get("bandwidth", {}), results.get("decode", {}),
-                                     results["acceptance_replayed"])
+    results["model"] = section_model(
+        results.get("bandwidth", {}), results.get("decode", {}), results["acceptance_replayed"]
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2, default=str))
     lines = [f"# gpu_bench on {results['device']} ({shape}, torch {torch.__version__})", ""]
@@ -319,14 +414,21 @@ def main(argv: list[str] | None = None) -> int:
         else:
             lines.append(f"- {k}: {v / 1e9:.1f} GB/s" if k.endswith("bytes_s") else f"- {k}: {v:.1f}")
     for r in results.get("decode", {}).get("rows", []):
-        lines.append(f"- batch {r['batch']}, context {r['context']}: full step {1e3 * r['full_decode_step_s']:.2f} ms, "
-                     f"compressed draft step {1e3 * r['compressed_draft_step_s']:.2f} ms, "
-                     f"verify x+1 {1e3 * r['verify_pass_s']:.2f} ms")
+        lines.append(
+            f"- batch {r['batch']}, context {r['context']}: full step {1e3 * r['full_decode_step_s']:.2f} ms, "
+            f"compressed draft step {1e3 * r['compressed_draft_step_s']:.2f} ms, "
+            f"verify x+1 {1e3 * r['verify_pass_s']:.2f} ms"
+        )
     for r in results.get("compressors", {}).get("rows", []):
-        what = (f"identical={r['identical']} max|dlogit|={r['max_logit_abs_diff']:.2e} "
-                f"accepted={r['mean_accepted_length']:.2f}" if "identical" in r else r.get("error") or r.get("skipped"))
-        lines.append(f"- {r['dtype']} rows={r['row_bucket']} row_attention={r['row_attention']} "
-                     f"{r['compressor']}: {what}")
+        what = (
+            f"identical={r['identical']} max|dlogit|={r['max_logit_abs_diff']:.2e} "
+            f"accepted={r['mean_accepted_length']:.2f}"
+            if "identical" in r
+            else r.get("error") or r.get("skipped")
+        )
+        lines.append(
+            f"- {r['dtype']} rows={r['row_bucket']} row_attention={r['row_attention']} {r['compressor']}: {what}"
+        )
     if results["errors"]:
         lines += ["", "Errors:", *[f"- {k}: {v.splitlines()[0]}" for k, v in results["errors"].items()]]
     (args.out / "gpu_bench.md").write_text("\n".join(lines) + "\n")

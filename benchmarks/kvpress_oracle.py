@@ -32,14 +32,16 @@ def presses(kept: float) -> dict:
     )
 
     cr = 1.0 - kept
-    return {"snapkv": SnapKVPress(compression_ratio=cr, window_size=64, kernel_size=5),
-            "pyramidkv": PyramidKVPress(compression_ratio=cr, window_size=64, kernel_size=5, beta=20),
-            "adakv": AdaKVPress(SnapKVPress(compression_ratio=cr, window_size=64, kernel_size=5), alpha_safeguard=0.2),
-            "expected_attention": ExpectedAttentionPress(compression_ratio=cr),
-            "tova": TOVAPress(compression_ratio=cr),
-            "knorm": KnormPress(compression_ratio=cr),
-            "streamingllm": StreamingLLMPress(compression_ratio=cr, n_sink=4),
-            "kvzip": KVzipPress(compression_ratio=cr)}
+    return {
+        "snapkv": SnapKVPress(compression_ratio=cr, window_size=64, kernel_size=5),
+        "pyramidkv": PyramidKVPress(compression_ratio=cr, window_size=64, kernel_size=5, beta=20),
+        "adakv": AdaKVPress(SnapKVPress(compression_ratio=cr, window_size=64, kernel_size=5), alpha_safeguard=0.2),
+        "expected_attention": ExpectedAttentionPress(compression_ratio=cr),
+        "tova": TOVAPress(compression_ratio=cr),
+        "knorm": KnormPress(compression_ratio=cr),
+        "streamingllm": StreamingLLMPress(compression_ratio=cr, n_sink=4),
+        "kvzip": KVzipPress(compression_ratio=cr),
+    }
 
 
 def keys_of(cache: DynamicCache) -> list[torch.Tensor]:

@@ -35,8 +35,12 @@ import cluster  # noqa: E402
 from vericache_sglang.bench.common import table  # noqa: E402
 from vericache_sglang.serve.rag_client import ClusterError, chat_stream, metric, wait_for_documents  # noqa: E402
 
-QUESTIONS = ("Summarise the document in one sentence.", "What is the first thing the document says?",
-             "Name one detail from the document.", "Why does the document matter?")
+QUESTIONS = (
+    "Summarise the document in one sentence.",
+    "What is the first thing the document says?",
+    "Name one detail from the document.",
+    "Why does the document matter?",
+)
 RECOVERY_GRACE_S = 5.0  # requests started this long after the store is back must not fall back
 
 
@@ -61,8 +65,11 @@ def run(streams: int, seconds: float, max_tokens: int, out_dir: Path, log=print)
             prompts = _prompts(doc)
             refs = []
             for i, messages in enumerate(prompts):
-                out = chat_stream(client, servers[i % 2], {"messages": messages, "max_tokens": max_tokens,
-                                                           "temperature": 0, "vericache": {"check": True}})
+                out = chat_stream(
+                    client,
+                    servers[i % 2],
+                    {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "vericache": {"check": True}},
+                )
                 check = out["vericache"]["check"]
                 if not check["identical"]:
                     raise ClusterError(f"prompt {i}: the reference run was not identical to full-KV decoding: {check}")
@@ -82,14 +89,21 @@ def run(streams: int, seconds: float, max_tokens: int, out_dir: Path, log=print)
                     got: list[int] = []
                     rec = {"worker": worker, "prompt": k, "server": server, "start": time.monotonic() - t0}
                     try:
-                        out = chat_stream(client, server, {"messages": prompts[k], "max_tokens": max_tokens,
-                                                           "temperature": 0}, got)
-                        rec.update(outcome="ok", fallbacks=out["vericache"]["store_fallbacks"],
-                                   prefix_tokens=out["vericache"]["prefix_tokens"])
+                        out = chat_stream(
+                            client, server, {"messages": prompts[k], "max_tokens": max_tokens, "temperature": 0}, got
+                        )
+                        rec.update(
+                            outcome="ok",
+                            fallbacks=out["vericache"]["store_fallbacks"],
+                            prefix_tokens=out["vericache"]["prefix_tokens"],
+                        )
                     except (ClusterError, httpx.HTTPError) as e:
                         rec.update(outcome="failed", error=str(e)[:300])
-                    rec.update(end=time.monotonic() - t0, tokens=len(got),
-                               exact=got == refs[k] if rec["outcome"] == "ok" else got == refs[k][: len(got)])
+                    rec.update(
+                        end=time.monotonic() - t0,
+                        tokens=len(got),
+                        exact=got == refs[k] if rec["outcome"] == "ok" else got == refs[k][: len(got)],
+                    )
                     with lock:
                         events.append(rec)
 
@@ -117,7 +131,9 @@ def run(streams: int, seconds: float, max_tokens: int, out_dir: Path, log=print)
     after = [e for e in events if e["start"] >= back_at + RECOVERY_GRACE_S]
     during = [e for e in events if e["end"] >= killed_at and e["start"] <= back_at]
     summary = {
-        "streams": streams, "seconds": seconds, "max_tokens": max_tokens,
+        "streams": streams,
+        "seconds": seconds,
+        "max_tokens": max_tokens,
         "requests": len(events),
         "ok": sum(e["outcome"] == "ok" for e in events),
         "failed_cleanly": sum(e["outcome"] == "failed" for e in events),
@@ -127,25 +143,41 @@ def run(streams: int, seconds: float, max_tokens: int, out_dir: Path, log=print)
         "outage_failed": sum(e["outcome"] == "failed" for e in during),
         "after_recovery": len(after),
         "after_recovery_ok_without_fallback": sum(e["outcome"] == "ok" and e["fallbacks"] == 0 for e in after),
-        "store_killed_at_s": killed_at, "store_back_at_s": back_at,
+        "store_killed_at_s": killed_at,
+        "store_back_at_s": back_at,
         "tokens_per_s": sum(e["tokens"] for e in events) / seconds,
         "servers_healthy_after": all(code == 200 for code in health.values()),
         "clean_shutdown": all(code == 0 for code in codes.values()),
         "store_errors_metric": [metric(m, "vericache_store_errors_total") for m in metrics.values()],
     }
-    summary["passed"] = (summary["unverified_or_wrong_tokens"] == 0 and summary["requests"] > 0
-                         and summary["after_recovery"] > 0
-                         and summary["after_recovery_ok_without_fallback"] == summary["after_recovery"]
-                         and summary["servers_healthy_after"] and summary["clean_shutdown"])
+    summary["passed"] = (
+        summary["unverified_or_wrong_tokens"] == 0
+        and summary["requests"] > 0
+        and summary["after_recovery"] > 0
+        and summary["after_recovery_ok_without_fallback"] == summary["after_recovery"]
+        and summary["servers_healthy_after"]
+        and summary["clean_shutdown"]
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "serve_load.json").write_text(json.dumps({"summary": summary, "requests": events}, indent=1))
-    cols = ["requests", "ok", "failed_cleanly", "unverified_or_wrong_tokens", "requests_touching_outage",
-            "outage_fallbacks", "outage_failed", "after_recovery", "after_recovery_ok_without_fallback",
-            "tokens_per_s", "passed"]
+    cols = [
+        "requests",
+        "ok",
+        "failed_cleanly",
+        "unverified_or_wrong_tokens",
+        "requests_touching_outage",
+        "outage_fallbacks",
+        "outage_failed",
+        "after_recovery",
+        "after_recovery_ok_without_fallback",
+        "tokens_per_s",
+        "passed",
+    ]
     (out_dir / "serve_load.md").write_text(
         f"# Serving under load, store killed at {killed_at:.0f} s, back at {back_at:.0f} s\n\n"
         f"`python benchmarks/serve_load.py --streams {streams} --seconds {seconds:g} --max-tokens {max_tokens}`: "
-        f"two SmolLM2 servers sharing our gRPC store on loopback (CPU).\n\n{table([summary], cols)}\n")
+        f"two SmolLM2 servers sharing our gRPC store on loopback (CPU).\n\n{table([summary], cols)}\n"
+    )
     _plot(events, killed_at, back_at, out_dir / "serve_load.png")
     log(json.dumps({k: v for k, v in summary.items()}, indent=1))
     return summary
@@ -163,11 +195,23 @@ def _plot(events: list[dict], killed_at: float, back_at: float, path: Path) -> N
         color = colors[e["outcome"]] if e["exact"] else "red"
         if e["outcome"] == "ok" and e.get("fallbacks"):
             color = "tab:blue"
-        ax.plot([e["start"], e["end"]], [e["worker"], e["worker"]], color=color, lw=3, marker="|", markersize=12,
-                markeredgecolor="black", solid_capstyle="butt")
+        ax.plot(
+            [e["start"], e["end"]],
+            [e["worker"], e["worker"]],
+            color=color,
+            lw=3,
+            marker="|",
+            markersize=12,
+            markeredgecolor="black",
+            solid_capstyle="butt",
+        )
     ax.axvspan(killed_at, back_at, color="grey", alpha=0.2, label="store down")
-    for label, color in (("complete", "tab:green"), ("complete, fell back to recompute", "tab:blue"),
-                         ("failed cleanly", "tab:orange"), ("wrong token", "red")):
+    for label, color in (
+        ("complete", "tab:green"),
+        ("complete, fell back to recompute", "tab:blue"),
+        ("failed cleanly", "tab:orange"),
+        ("wrong token", "red"),
+    ):
         ax.plot([], [], color=color, lw=3, label=label)
     ax.set_xlabel("seconds")
     ax.set_ylabel("client stream")

@@ -77,8 +77,17 @@ def worker(url: str, run: str, wid: int, ops: int, seconds: float, out: mp.Queue
     errors += [f"mixed up {k}" for k, v in zip(mine, final, strict=True) if v is not None and v != payload(k)]
     store.unpin(mine)
     store.delete_many(mine)
-    out.put({"worker": wid, "ops": done, "bytes": moved, "errors": errors[:20], "n_errors": len(errors),
-             "records": len(mine), "refused": refused})
+    out.put(
+        {
+            "worker": wid,
+            "ops": done,
+            "bytes": moved,
+            "errors": errors[:20],
+            "n_errors": len(errors),
+            "records": len(mine),
+            "refused": refused,
+        }
+    )
 
 
 def load(url: str, procs: int = 4, ops: int = 200, seconds: float = 10.0) -> dict:
@@ -93,11 +102,17 @@ def load(url: str, procs: int = 4, ops: int = 200, seconds: float = 10.0) -> dic
     for w in workers:
         w.join(30)
     elapsed = time.monotonic() - started
-    return {"url": url.split("@")[-1], "procs": procs, "ops": sum(r["ops"] for r in results),
-            "errors": sum(r["n_errors"] for r in results), "examples": [e for r in results for e in r["errors"]][:10],
-            "refused_writes": sum(r["refused"] for r in results),
-            "gb_s": sum(r["bytes"] for r in results) / elapsed / 1e9, "seconds": elapsed,
-            "exit_codes": [w.exitcode for w in workers]}
+    return {
+        "url": url.split("@")[-1],
+        "procs": procs,
+        "ops": sum(r["ops"] for r in results),
+        "errors": sum(r["n_errors"] for r in results),
+        "examples": [e for r in results for e in r["errors"]][:10],
+        "refused_writes": sum(r["refused"] for r in results),
+        "gb_s": sum(r["bytes"] for r in results) / elapsed / 1e9,
+        "seconds": elapsed,
+        "exit_codes": [w.exitcode for w in workers],
+    }
 
 
 def bandwidth(url: str, rounds: int = 5, chunks: int = 36) -> dict:
@@ -120,15 +135,21 @@ def bandwidth(url: str, rounds: int = 5, chunks: int = 36) -> dict:
         assert got == total, f"read {got} of {total} bytes"
     store.delete_many([k for k, _ in items])
     med = lambda xs: sorted(xs)[len(xs) // 2]
-    return {"url": url.split("@")[-1].split("?")[0], "bytes": total, "write_gb_s": total / med(writes) / 1e9,
-            "read_gb_s": total / med(reads) / 1e9}
+    return {
+        "url": url.split("@")[-1].split("?")[0],
+        "bytes": total,
+        "write_gb_s": total / med(writes) / 1e9,
+        "read_gb_s": total / med(reads) / 1e9,
+    }
 
 
 def _label(url: str) -> str:
     scheme = url.split("://")[0]
-    return {"memory": "memory:// (in-process: records are referenced, not copied)",
-            "redis": "redis:// (redis-server 7.0, loopback)", "grpc": "grpc:// (our store server, loopback)"}.get(
-        scheme, scheme)
+    return {
+        "memory": "memory:// (in-process: records are referenced, not copied)",
+        "redis": "redis:// (redis-server 7.0, loopback)",
+        "grpc": "grpc:// (our store server, loopback)",
+    }.get(scheme, scheme)
 
 
 def main() -> int:
@@ -144,8 +165,10 @@ def main() -> int:
     if args.bandwidth:
         rows = [bandwidth(u) for u in args.urls]
         table = ["| store | write GB/s | read GB/s (layer-grouped) |", "|---|---:|---:|"]
-        table += [f"| {_label(u)} | {r['write_gb_s']:.2f} | {r['read_gb_s']:.2f} |" for u, r in zip(args.urls, rows,
-                                                                                            strict=True)]
+        table += [
+            f"| {_label(u)} | {r['write_gb_s']:.2f} | {r['read_gb_s']:.2f} |"
+            for u, r in zip(args.urls, rows, strict=True)
+        ]
         print("\n".join(table))
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

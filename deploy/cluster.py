@@ -89,11 +89,15 @@ def load(path: Path = COMPOSE, profile: str = "cpu") -> dict[str, Service]:
         if isinstance(env, list):
             env = dict(item.split("=", 1) for item in env)
         out[name] = Service(
-            name, [str(a) for a in svc["command"]], {k: str(v) for k, v in env.items()},
+            name,
+            [str(a) for a in svc["command"]],
+            {k: str(v) for k, v in env.items()},
             None if test is None else [str(a) for a in test[1:]],
-            _seconds(health.get("interval", "2s")), int(health.get("retries", 30)),
+            _seconds(health.get("interval", "2s")),
+            int(health.get("retries", 30)),
             {d: c.get("condition", "service_started") for d, c in deps.items()},
-            expose[0] if expose else None, str(svc.get("restart", "no")) == "no",
+            expose[0] if expose else None,
+            str(svc.get("restart", "no")) == "no",
             (svc.get("x-local") or {}).get("venv", ".venv"),
         )
     return out
@@ -125,8 +129,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def localize(args: list[str], own: Service, ports: dict[str, int], services: dict[str, Service],
-             secrets: dict[str, Path]) -> list[str]:
+def localize(
+    args: list[str], own: Service, ports: dict[str, int], services: dict[str, Service], secrets: dict[str, Path]
+) -> list[str]:
     """A service's arguments on loopback: host names and ports mapped, secrets to their files."""
     out = []
     for arg in args:
@@ -135,8 +140,9 @@ def localize(args: list[str], own: Service, ports: dict[str, int], services: dic
                 arg = arg.replace(f"{name}:{svc.port}", f"127.0.0.1:{ports[name]}")
         if own.port is not None:
             m = str(ports[own.name])
-            arg = arg.replace(f"0.0.0.0:{own.port}", f"127.0.0.1:{m}").replace(f"localhost:{own.port}",
-                                                                               f"127.0.0.1:{m}")
+            arg = arg.replace(f"0.0.0.0:{own.port}", f"127.0.0.1:{m}").replace(
+                f"localhost:{own.port}", f"127.0.0.1:{m}"
+            )
             arg = m if arg == str(own.port) else arg
         arg = "127.0.0.1" if arg == "0.0.0.0" else arg
         for secret, file in secrets.items():
@@ -155,8 +161,9 @@ class LocalCluster:
         self.exit_codes: dict[str, int] = {}
 
     @classmethod
-    def from_compose(cls, workdir: Path, path: Path = COMPOSE, profile: str = "cpu",
-                     without: tuple[str, ...] = ()) -> LocalCluster:
+    def from_compose(
+        cls, workdir: Path, path: Path = COMPOSE, profile: str = "cpu", without: tuple[str, ...] = ()
+    ) -> LocalCluster:
         services = {n: s for n, s in load(path, profile).items() if n not in without}
         spec = yaml.safe_load(path.read_text())
         secrets = {}
@@ -187,8 +194,14 @@ class LocalCluster:
 
     def start(self, name: str) -> subprocess.Popen:
         with open(self.workdir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen(self.argv(name), env=self.env(name), cwd=REPO, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                self.argv(name),
+                env=self.env(name),
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs[name] = proc
         return proc
 
@@ -239,13 +252,20 @@ class LocalCluster:
                 self.wait(name, "service_healthy")
                 log(f"{name} healthy")
 
-    def run_client(self, name: str | None = None, extra: tuple[str, ...] = (),
-                   timeout_s: float = 1800) -> subprocess.CompletedProcess:
+    def run_client(
+        self, name: str | None = None, extra: tuple[str, ...] = (), timeout_s: float = 1800
+    ) -> subprocess.CompletedProcess:
         name = name or self.client
         for dep, condition in self.services[name].depends_on.items():
             self.wait(dep, condition)
-        return subprocess.run(self.argv(name) + list(extra), env=self.env(name), cwd=REPO, capture_output=True,
-                              text=True, timeout=timeout_s)
+        return subprocess.run(
+            self.argv(name) + list(extra),
+            env=self.env(name),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
 
     def stop(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> int:
         proc = self.procs.pop(name)
@@ -268,8 +288,9 @@ class LocalCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="deploy/local_cluster.sh", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="deploy/local_cluster.sh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("action", choices=("up", "plan"))
     p.add_argument("--profile", default="cpu")
     p.add_argument("--without", action="append", default=[], help="leave a service out (repeatable)")
@@ -293,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
             print(done.stdout, end="")
             rc = done.returncode
         if not args.exit_after_client:
-            print("cluster up: " + ", ".join(f"{n} {cluster.url(n)}" for n in cluster.ports)
-                  + " (Ctrl-C stops it)", file=sys.stderr)
+            print(
+                "cluster up: " + ", ".join(f"{n} {cluster.url(n)}" for n in cluster.ports) + " (Ctrl-C stops it)",
+                file=sys.stderr,
+            )
             signal.sigwait({signal.SIGINT, signal.SIGTERM})
     finally:
         codes = cluster.down()

@@ -17,8 +17,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _dequant_rows(packed, scale, mn, out, D: tl.constexpr, BITS: tl.constexpr, ROW_GROUP: tl.constexpr,
-                  COL_GROUP: tl.constexpr):
+def _dequant_rows(
+    packed, scale, mn, out, D: tl.constexpr, BITS: tl.constexpr, ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr
+):
     row = tl.program_id(0)
     cols = tl.arange(0, D)
     per_byte: tl.constexpr = 8 // BITS
@@ -30,8 +31,16 @@ def _dequant_rows(packed, scale, mn, out, D: tl.constexpr, BITS: tl.constexpr, R
     tl.store(out + row * D + cols, (code.to(tl.float32) * s + m).to(out.dtype.element_ty))
 
 
-def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int, *,
-                      row_group: int = 1, col_group: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_packed(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    mn: torch.Tensor,
+    bits: int,
+    *,
+    row_group: int = 1,
+    col_group: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Dequantize ``packed`` ``[..., rows, D * bits / 8]`` to ``[..., rows, D]``.
 
     ``scale`` and ``mn`` hold ``rows / row_group`` by ``D / col_group`` entries (any leading shape
@@ -43,9 +52,18 @@ def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, mn: torch.Tenso
     if d & (d - 1):
         raise ValueError(f"last dim {d} is not a power of two")
     if scale.numel() != (rows // row_group) * (d // col_group) or scale.shape != mn.shape:
-        raise ValueError(f"scale of {scale.numel()} entries does not fit {rows} rows of {d} "
-                         f"in groups of {row_group} x {col_group}")
+        raise ValueError(
+            f"scale of {scale.numel()} entries does not fit {rows} rows of {d} in groups of {row_group} x {col_group}"
+        )
     out = torch.empty((*packed.shape[:-1], d), dtype=dtype, device=packed.device)
-    _dequant_rows[(rows,)](packed.contiguous(), scale.contiguous(), mn.contiguous(), out, D=d, BITS=bits,
-                           ROW_GROUP=row_group, COL_GROUP=col_group)
+    _dequant_rows[(rows,)](
+        packed.contiguous(),
+        scale.contiguous(),
+        mn.contiguous(),
+        out,
+        D=d,
+        BITS=bits,
+        ROW_GROUP=row_group,
+        COL_GROUP=col_group,
+    )
     return out

@@ -46,8 +46,9 @@ class PackedKV:
         h, n, _ = self.codes.shape
         d, rg, cg = self.head_dim, self.row_group, self.col_group
         codes = unpack(self.codes, self.bits).view(h, n // rg, rg, d // cg, cg)
-        out = dequantize(codes, self.scale.view(h, n // rg, 1, d // cg, 1), self.mn.view(h, n // rg, 1, d // cg, 1),
-                         dtype)
+        out = dequantize(
+            codes, self.scale.view(h, n // rg, 1, d // cg, 1), self.mn.view(h, n // rg, 1, d // cg, 1), dtype
+        )
         return out.view(h, n, d)
 
 
@@ -62,14 +63,28 @@ def quant_attention_reference(q: torch.Tensor, k: PackedKV, v: PackedKV, scale: 
 
 
 @triton.jit
-def _load_dequant(codes, scale, mn, head, start, n, D: tl.constexpr, BITS: tl.constexpr, ROW_GROUP: tl.constexpr,
-                  COL_GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def _load_dequant(
+    codes,
+    scale,
+    mn,
+    head,
+    start,
+    n,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    ROW_GROUP: tl.constexpr,
+    COL_GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     rows = start + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
     valid = rows < n
     per_byte: tl.constexpr = 8 // BITS
-    byte = tl.load(codes + head * n * (D // per_byte) + rows[:, None] * (D // per_byte) + cols[None, :] // per_byte,
-                   mask=valid[:, None], other=0).to(tl.int32)
+    byte = tl.load(
+        codes + head * n * (D // per_byte) + rows[:, None] * (D // per_byte) + cols[None, :] // per_byte,
+        mask=valid[:, None],
+        other=0,
+    ).to(tl.int32)
     code = (byte >> ((cols[None, :] % per_byte) * BITS)) & ((1 << BITS) - 1)
     groups_per_head = (n // ROW_GROUP) * (D // COL_GROUP)
     sidx = head * groups_per_head + (rows[:, None] // ROW_GROUP) * (D // COL_GROUP) + cols[None, :] // COL_GROUP
@@ -79,10 +94,27 @@ def _load_dequant(codes, scale, mn, head, start, n, D: tl.constexpr, BITS: tl.co
 
 
 @triton.jit
-def _quant_decode_attention(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, out, n, sm_scale,
-                            GROUP: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr, K_RG: tl.constexpr,
-                            K_CG: tl.constexpr, V_BITS: tl.constexpr, V_RG: tl.constexpr, V_CG: tl.constexpr,
-                            BLOCK: tl.constexpr):
+def _quant_decode_attention(
+    q,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    out,
+    n,
+    sm_scale,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_RG: tl.constexpr,
+    K_CG: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_RG: tl.constexpr,
+    V_CG: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     qh = tl.program_id(0)
     kh = qh // GROUP
     cols = tl.arange(0, D)
@@ -104,8 +136,9 @@ def _quant_decode_attention(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min,
     tl.store(out + qh * D + cols, acc / l_i)
 
 
-def quant_decode_attention(q: torch.Tensor, k: PackedKV, v: PackedKV, scale: float | None = None,
-                           block: int = 32) -> torch.Tensor:
+def quant_decode_attention(
+    q: torch.Tensor, k: PackedKV, v: PackedKV, scale: float | None = None, block: int = 32
+) -> torch.Tensor:
     """The kernel: the same contract as ``quant_attention_reference``."""
     hq, d = q.shape
     hk, n, _ = k.codes.shape
@@ -114,16 +147,38 @@ def quant_decode_attention(q: torch.Tensor, k: PackedKV, v: PackedKV, scale: flo
     if hq % hk or v.codes.shape[:2] != (hk, n):
         raise ValueError(f"{hq} query heads over keys {tuple(k.codes.shape)} and values {tuple(v.codes.shape)}")
     for side in (k, v):
-        if n % side.row_group or d % side.col_group or side.scale.numel() != hk * (n // side.row_group) * (
-                d // side.col_group):
-            raise ValueError(f"scales of {side.scale.numel()} entries do not fit {hk} heads x {n} rows x {d} "
-                             f"in groups of {side.row_group} x {side.col_group}")
+        if (
+            n % side.row_group
+            or d % side.col_group
+            or side.scale.numel() != hk * (n // side.row_group) * (d // side.col_group)
+        ):
+            raise ValueError(
+                f"scales of {side.scale.numel()} entries do not fit {hk} heads x {n} rows x {d} "
+                f"in groups of {side.row_group} x {side.col_group}"
+            )
     if n == 0:
         raise ValueError("attention over zero tokens")
     out = torch.empty(hq, d, dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    _quant_decode_attention[(hq,)](q.contiguous(), k.codes.contiguous(), k.scale.contiguous(), k.mn.contiguous(),
-                                   v.codes.contiguous(), v.scale.contiguous(), v.mn.contiguous(), out, n, scale,
-                                   GROUP=hq // hk, D=d, K_BITS=k.bits, K_RG=k.row_group, K_CG=k.col_group,
-                                   V_BITS=v.bits, V_RG=v.row_group, V_CG=v.col_group, BLOCK=block)
+    _quant_decode_attention[(hq,)](
+        q.contiguous(),
+        k.codes.contiguous(),
+        k.scale.contiguous(),
+        k.mn.contiguous(),
+        v.codes.contiguous(),
+        v.scale.contiguous(),
+        v.mn.contiguous(),
+        out,
+        n,
+        scale,
+        GROUP=hq // hk,
+        D=d,
+        K_BITS=k.bits,
+        K_RG=k.row_group,
+        K_CG=k.col_group,
+        V_BITS=v.bits,
+        V_RG=v.row_group,
+        V_CG=v.col_group,
+        BLOCK=block,
+    )
     return out

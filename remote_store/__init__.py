@@ -8,8 +8,16 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from remote_store.backends.base import ByteStore, StoreConfigError, StoreError, refused
 from remote_store.codec import ChunkError
 
-__all__ = ["ByteStore", "ChunkError", "StoreConfigError", "StoreError", "connect_store", "open_store", "redact",
-           "refused"]
+__all__ = [
+    "ByteStore",
+    "ChunkError",
+    "StoreConfigError",
+    "StoreError",
+    "connect_store",
+    "open_store",
+    "redact",
+    "refused",
+]
 
 SCHEMES = ("memory", "redis", "rediss", "grpc", "grpcs", "lmcache")
 # Link-emulator parameters, accepted on any URL and stripped before the backend sees it.

@@ -107,9 +107,19 @@ def encode(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
         raise ChunkError(f"payload of {len(view)} bytes, header implies {header.expected_payload_len()}")
     table = row_sums(view, header.row_bytes).astype("<u8").tobytes() if header.kind == KIND_KV else b""
     raw = _HEADER.pack(
-        MAGIC, VERSION, header.kind, DTYPE_CODES[header.dtype], header.layer, header.heads, header.tokens,
-        header.head_dim, header.start, bytes.fromhex(header.layout_digest), header.prefix_digest,
-        zlib.crc32(table, zlib.crc32(view)), len(view),
+        MAGIC,
+        VERSION,
+        header.kind,
+        DTYPE_CODES[header.dtype],
+        header.layer,
+        header.heads,
+        header.tokens,
+        header.head_dim,
+        header.start,
+        bytes.fromhex(header.layout_digest),
+        header.prefix_digest,
+        zlib.crc32(table, zlib.crc32(view)),
+        len(view),
     )
     return b"".join((raw, view, table))
 
@@ -119,16 +129,18 @@ def decode_header(head: bytes | memoryview) -> ChunkHeader:
     view = memoryview(head)
     if len(view) < HEADER_SIZE:
         raise ChunkError(f"record of {len(view)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    (magic, version, kind, dtype_code, layer, heads, tokens, head_dim, start, layout, prefix, crc,
-     length) = _HEADER.unpack_from(view)
+    (magic, version, kind, dtype_code, layer, heads, tokens, head_dim, start, layout, prefix, crc, length) = (
+        _HEADER.unpack_from(view)
+    )
     if magic != MAGIC:
         raise ChunkError(f"bad magic {magic!r}: not a VeriCache chunk")
     if version != VERSION:
         raise ChunkError(f"chunk format version {version}, this reader knows {VERSION}")
     if dtype_code not in DTYPE_NAMES or kind not in (KIND_KV, KIND_PACKED):
         raise ChunkError(f"unknown dtype code {dtype_code} or kind {kind}")
-    header = ChunkHeader(kind, DTYPE_NAMES[dtype_code], layer, heads, tokens, head_dim, start, layout.hex(),
-                         prefix, crc, length)
+    header = ChunkHeader(
+        kind, DTYPE_NAMES[dtype_code], layer, heads, tokens, head_dim, start, layout.hex(), prefix, crc, length
+    )
     if kind == KIND_KV and length != header.expected_payload_len():
         raise ChunkError(f"payload of {length} bytes does not fit shape {heads}x{tokens}x{head_dim}")
     return header
@@ -158,8 +170,9 @@ def check_rows(header: ChunkHeader, first_row: int, rows: bytes | memoryview, su
         raise ChunkError(f"checksum mismatch in row {first_row + int(bad[0])}: the chunk is corrupt")
 
 
-def check(header: ChunkHeader, *, layout_digest: str, prefix_digest: bytes, layer: int, tokens: int,
-          start: int) -> None:
+def check(
+    header: ChunkHeader, *, layout_digest: str, prefix_digest: bytes, layer: int, tokens: int, start: int
+) -> None:
     """Check that a decoded chunk is the one asked for."""
     if header.layout_digest != layout_digest:
         raise ChunkError(f"chunk of layout {header.layout_digest}, expected {layout_digest} (another model?)")

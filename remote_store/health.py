@@ -27,8 +27,11 @@ def probe(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         target = f"{parts.hostname}:{parts.port}"
-        channel = grpc.insecure_channel(target) if parts.scheme != "grpcs" else \
-            grpc.secure_channel(target, grpc.ssl_channel_credentials())
+        channel = (
+            grpc.insecure_channel(target)
+            if parts.scheme != "grpcs"
+            else grpc.secure_channel(target, grpc.ssl_channel_credentials())
+        )
         with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         if reply.status != health_pb2.HealthCheckResponse.SERVING:

@@ -16,8 +16,7 @@ from remote_store.backends.base import ByteStore, RangeRequest
 
 
 class LinkEmulator(ByteStore):
-    def __init__(self, inner: ByteStore, bandwidth_bytes_s: float, latency_s: float = 0.0,
-                 ratio: float | None = None):
+    def __init__(self, inner: ByteStore, bandwidth_bytes_s: float, latency_s: float = 0.0, ratio: float | None = None):
         if bandwidth_bytes_s <= 0:
             raise ValueError(f"link bandwidth must be > 0, got {bandwidth_bytes_s}")
         self.inner = inner
@@ -91,9 +90,13 @@ class LinkEmulator(ByteStore):
         self.inner.unpin(keys)
 
     def stats(self) -> dict[str, object]:
-        return {**self.inner.stats(), "link_bandwidth_bytes_s": self.bandwidth_bytes_s,
-                "link_bytes_moved": self.bytes_moved, "link_transfer_s": self.transfer_s,
-                **({"link_ratio": self.ratio} if self.ratio else {})}
+        return {
+            **self.inner.stats(),
+            "link_bandwidth_bytes_s": self.bandwidth_bytes_s,
+            "link_bytes_moved": self.bytes_moved,
+            "link_transfer_s": self.transfer_s,
+            **({"link_ratio": self.ratio} if self.ratio else {}),
+        }
 
     def close(self) -> None:
         self.inner.close()

@@ -61,13 +61,26 @@ class LMCacheRecordStore(ByteStore):
         self.put_timeout_s = put_timeout_s
         # One LMCache chunk per record: ``chunk_size`` bounds a record at 2 * chunk_size bytes.
         config = LMCacheEngineConfig.from_defaults(
-            chunk_size=CHUNK_TOKENS, local_cpu=False, max_local_cpu_size=local_cpu_gb, remote_url=remote_url,
-            remote_serde="naive", save_unfull_chunk=True)
-        meta = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-                               kv_dtype=torch.uint8, kv_shape=(1, 2, CHUNK_TOKENS, 1, 1))
+            chunk_size=CHUNK_TOKENS,
+            local_cpu=False,
+            max_local_cpu_size=local_cpu_gb,
+            remote_url=remote_url,
+            remote_serde="naive",
+            save_unfull_chunk=True,
+        )
+        meta = LMCacheMetadata(
+            model_name=MODEL,
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.uint8,
+            kv_shape=(1, 2, CHUNK_TOKENS, 1, 1),
+        )
         self._instance = f"vericache-{os.getpid()}"
-        self.engine = LMCacheEngineBuilder.get_or_create(self._instance, config, meta, RecordConnector(),
-                                                         lambda t, src: t, lambda o, src: o)
+        self.engine = LMCacheEngineBuilder.get_or_create(
+            self._instance, config, meta, RecordConnector(), lambda t, src: t, lambda o, src: o
+        )
         self.engine.post_init()
         self.sm = self.engine.storage_manager
         if "RemoteBackend" not in self.sm.storage_backends:
@@ -131,8 +144,14 @@ class LMCacheRecordStore(ByteStore):
         return 0
 
     def stats(self) -> dict[str, object]:
-        return {**self._counters, "capacity_bytes": 0, "pins_supported": 0, "ttl_supported": 0,
-                "delete_supported": 0, "eviction_policy": "the LMCache remote's own (no pins, no TTL)"}
+        return {
+            **self._counters,
+            "capacity_bytes": 0,
+            "pins_supported": 0,
+            "ttl_supported": 0,
+            "delete_supported": 0,
+            "eviction_policy": "the LMCache remote's own (no pins, no TTL)",
+        }
 
     def close(self) -> None:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder

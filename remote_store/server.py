@@ -66,8 +66,10 @@ class KVStoreServicer(store_pb2_grpc.KVStoreServicer):
 
     def Stats(self, request, context):
         stats = self.store.stats()
-        return store_pb2.StatsReply(values={k: float(v) for k, v in stats.items() if isinstance(v, int | float)},
-                                    eviction_policy=str(stats.get("eviction_policy", "lru-with-pins")))
+        return store_pb2.StatsReply(
+            values={k: float(v) for k, v in stats.items() if isinstance(v, int | float)},
+            eviction_policy=str(stats.get("eviction_policy", "lru-with-pins")),
+        )
 
 
 class TokenAuth(grpc.ServerInterceptor):
@@ -92,12 +94,20 @@ class TokenAuth(grpc.ServerInterceptor):
         return self._deny_stream if streaming else self._deny
 
 
-def build_server(listen: str, store: ByteStore, token: str | None = None, tls_cert: Path | None = None,
-                 tls_key: Path | None = None, workers: int = 16) -> tuple[grpc.Server, int, health.HealthServicer]:
+def build_server(
+    listen: str,
+    store: ByteStore,
+    token: str | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    workers: int = 16,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build (not start) a server over ``store``; returns it, the bound port, and its health servicer."""
     interceptors = [TokenAuth(token)] if token else []
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
     from concurrent.futures import ThreadPoolExecutor
 
     server = grpc.server(ThreadPoolExecutor(max_workers=workers), interceptors=interceptors, options=options)
@@ -139,8 +149,14 @@ def serve(args: argparse.Namespace, store: ByteStore, what: str) -> int:
     server, port, health_servicer = build_server(args.listen, store, token, args.tls_cert, args.tls_key)
     server.start()
     host = args.listen.rpartition(":")[0]
-    log.info("%s serving on %s:%d (auth %s, tls %s)", what, host, port, "on" if token else "off",
-             "on" if args.tls_cert else "off")
+    log.info(
+        "%s serving on %s:%d (auth %s, tls %s)",
+        what,
+        host,
+        port,
+        "on" if token else "off",
+        "on" if args.tls_cert else "off",
+    )
     if args.port_file:
         args.port_file.write_text(str(port))
     stopping = threading.Event()
@@ -164,11 +180,18 @@ def serve(args: argparse.Namespace, store: ByteStore, what: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = server_args("python -m remote_store.server", __doc__)
     p.add_argument("--capacity-bytes", type=int, default=1 << 30, help="LRU capacity (0: unbounded)")
-    p.add_argument("--pin-ttl-s", type=float, default=DEFAULT_PIN_TTL_S,
-                   help="a pin's lease: a client that never unpins (it died) holds records no longer than this")
+    p.add_argument(
+        "--pin-ttl-s",
+        type=float,
+        default=DEFAULT_PIN_TTL_S,
+        help="a pin's lease: a client that never unpins (it died) holds records no longer than this",
+    )
     args = p.parse_args(argv)
-    return serve(args, MemoryStore(args.capacity_bytes, pin_ttl_s=args.pin_ttl_s),
-                 f"store (capacity {args.capacity_bytes} bytes, pins lease {args.pin_ttl_s:g} s)")
+    return serve(
+        args,
+        MemoryStore(args.capacity_bytes, pin_ttl_s=args.pin_ttl_s),
+        f"store (capacity {args.capacity_bytes} bytes, pins lease {args.pin_ttl_s:g} s)",
+    )
 
 
 if __name__ == "__main__":

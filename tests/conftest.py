@@ -126,8 +126,7 @@ def backend_url(request):
     """Each backend in turn, as a store URL."""
     if request.param == "memory":
         return "memory://"
-    return request.getfixturevalue({"redis": "redis_url", "grpc": "store_url", "lmcache": "lmcache_url"}[
-        request.param])
+    return request.getfixturevalue({"redis": "redis_url", "grpc": "store_url", "lmcache": "lmcache_url"}[request.param])
 
 
 # on every SGLang server of the tests, stock and VeriCache alike: SGLang's own tool-call parsing
@@ -152,8 +151,9 @@ def _vericache_launch(sglang_logs, store_url):
 
     from vericache_sglang.bench.sglang_server import SGLangServer
 
-    server = SGLangServer(sglang_logs, "vericache", *SGLANG_TEST_FLAGS, vericache=vericache_config(store_url),
-                          wait=False)
+    server = SGLangServer(
+        sglang_logs, "vericache", *SGLANG_TEST_FLAGS, vericache=vericache_config(store_url), wait=False
+    )
     yield server
     server.stop()
 

@@ -49,4 +49,3 @@ def failing_from(n: int, until: int | None = None) -> Callable[[int], None]:
             raise StoreError(f"injected failure on get #{count}")
 
     return hook
-

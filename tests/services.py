@@ -30,22 +30,50 @@ def redis_available() -> bool:
 
 
 class RedisServer:
-    def __init__(self, tmp: Path, maxmemory: str | None = None, password: str | None = None,
-                 tls: tuple[Path, Path, Path] | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        maxmemory: str | None = None,
+        password: str | None = None,
+        tls: tuple[Path, Path, Path] | None = None,
+    ):
         self.port = free_port()
         self.password = password
         self.tls = tls
         self.tmp = tmp
-        args = ["redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(tmp), "--maxmemory-policy", "volatile-lru"]
+        args = [
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp),
+            "--maxmemory-policy",
+            "volatile-lru",
+        ]
         if maxmemory:
             args += ["--maxmemory", maxmemory, "--maxmemory-samples", "10"]
         if password:
             args += ["--requirepass", password]
         if tls:
             cert, key, ca = tls
-            args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
-                     "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+            args += [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                str(cert),
+                "--tls-key-file",
+                str(key),
+                "--tls-ca-cert-file",
+                str(ca),
+                "--tls-auth-clients",
+                "no",
+            ]
         else:
             args += ["--port", str(self.port)]
         self.args = args
@@ -85,8 +113,14 @@ class RedisServer:
 class StoreServer:
     """``python -m remote_store.server`` in a subprocess."""
 
-    def __init__(self, tmp: Path, capacity_bytes: int = 1 << 30, token: str | None = "test-token",
-                 tls: tuple[Path, Path] | None = None, pin_ttl_s: float | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        capacity_bytes: int = 1 << 30,
+        token: str | None = "test-token",
+        tls: tuple[Path, Path] | None = None,
+        pin_ttl_s: float | None = None,
+    ):
         self.tmp = tmp
         self.pin_ttl_s = pin_ttl_s
         self.token = token
@@ -104,8 +138,17 @@ class StoreServer:
         return f"grpc://{auth}127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        args = [sys.executable, "-m", "remote_store.server", "--listen", f"127.0.0.1:{self.port}",
-                "--capacity-bytes", str(self.capacity_bytes), "--port-file", str(self.tmp / "port")]
+        args = [
+            sys.executable,
+            "-m",
+            "remote_store.server",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--capacity-bytes",
+            str(self.capacity_bytes),
+            "--port-file",
+            str(self.tmp / "port"),
+        ]
         if self.token:
             (self.tmp / "token").write_text(self.token)
             args += ["--auth-token-file", str(self.tmp / "token")]
@@ -137,9 +180,28 @@ class StoreServer:
 def self_signed_cert(tmp: Path) -> tuple[Path, Path]:
     """A self-signed certificate for localhost (its own CA), made with the openssl CLI."""
     cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
@@ -167,8 +229,19 @@ class LMCacheSidecar(StoreServer):
         return f"lmcache://{auth}127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        args = [str(LMCACHE_PYTHON), "-m", "remote_store.lmcache_sidecar", "--listen", f"127.0.0.1:{self.port}",
-                "--remote-url", self.remote_url, "--local-cpu-gb", "0.25", "--port-file", str(self.tmp / "port")]
+        args = [
+            str(LMCACHE_PYTHON),
+            "-m",
+            "remote_store.lmcache_sidecar",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--remote-url",
+            self.remote_url,
+            "--local-cpu-gb",
+            "0.25",
+            "--port-file",
+            str(self.tmp / "port"),
+        ]
         if self.token:
             (self.tmp / "token").write_text(self.token)
             args += ["--auth-token-file", str(self.tmp / "token")]

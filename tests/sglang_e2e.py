@@ -11,11 +11,14 @@ from typing import Any
 from vericache_sglang.bench.sglang_server import Answer, Ask, ask_all, document_prompt, tokenizer
 
 # the drafting modifiers as the e2e tests run them (small budgets: a 1,000-token prompt keeps 64 rows)
-MODIFIERS = {"compressor": "snapkv:ratio=0.0625+refresh:ratio=0.0625,span=4+lookup", "horizon": 8,
-             "full_kv": "device"}
+MODIFIERS = {"compressor": "snapkv:ratio=0.0625+refresh:ratio=0.0625,span=4+lookup", "horizon": 8, "full_kv": "device"}
 COPY = "Repeat the following code exactly, then stop.\n\n"  # a copy-heavy prompt's opening
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
 
@@ -26,8 +29,9 @@ def vericache_config(store_url: str) -> dict:
     return {**MODIFIERS, "full_kv": "store", "store": store_url}
 
 
-def same_as_stock(stock: Any, server: Any, questions: list[Ask], exactness: Any,
-                  name: str) -> tuple[list[Answer], list[Answer]]:
+def same_as_stock(
+    stock: Any, server: Any, questions: list[Ask], exactness: Any, name: str
+) -> tuple[list[Answer], list[Answer]]:
     """Ask ``stock`` and ``server`` the same ``questions`` (each a batch); every answer must be
     stock's, each recorded in ``exactness``. Returns both servers' answers."""
     expected, got = stock_answers(stock, questions), ask_all(server, questions)
@@ -57,14 +61,19 @@ def compare_answers(reference: Answer, answer: Answer) -> dict[str, Any]:
     if reference.logprobs is not None and answer.logprobs is not None:
         n = min(len(reference.logprobs), len(answer.logprobs))
         diff = max((abs(a - b) for a, b in zip(reference.logprobs[:n], answer.logprobs[:n], strict=True)), default=0.0)
-    return {"identical": reference.text == answer.text and reference.finish_reason == answer.finish_reason,
-            "compared_tokens": token_count(answer.text),
-            "max_logprob_abs_diff": diff, "first_mismatch": _first_difference(reference.text, answer.text)}
+    return {
+        "identical": reference.text == answer.text and reference.finish_reason == answer.finish_reason,
+        "compared_tokens": token_count(answer.text),
+        "max_logprob_abs_diff": diff,
+        "first_mismatch": _first_difference(reference.text, answer.text),
+    }
 
 
 def _first_difference(a: str, b: str) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)))
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+        None if len(a) == len(b) else min(len(a), len(b)),
+    )
 
 
 @functools.cache

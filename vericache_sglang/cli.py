@@ -23,25 +23,39 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--compressor", default="snapkv:ratio=0.25", help="compressor spec, e.g. kivi:bits=2")
-    p.add_argument("--horizon", type=int, default=16,
-                   help="drafted tokens per verification (x); with --adaptive-horizon, the most")
-    p.add_argument("--adaptive-horizon", action="store_true",
-                   help="choose each window's length from the acceptance so far and the measured costs")
+    p.add_argument(
+        "--horizon", type=int, default=16, help="drafted tokens per verification (x); with --adaptive-horizon, the most"
+    )
+    p.add_argument(
+        "--adaptive-horizon",
+        action="store_true",
+        help="choose each window's length from the acceptance so far and the measured costs",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verify", choices=("exact", "rejection"), default="exact",
-                   help="sampling acceptance: exact (identical to full-KV sampling with the same seed) or "
-                        "speculative rejection sampling (lossless in distribution)")
+    p.add_argument(
+        "--verify",
+        choices=("exact", "rejection"),
+        default="exact",
+        help="sampling acceptance: exact (identical to full-KV sampling with the same seed) or "
+        "speculative rejection sampling (lossless in distribution)",
+    )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--response-format", help="a grammar every token follows: an OpenAI response_format as JSON "
-                                             "(json_object, json_schema; or {\"type\": \"regex\"|\"ebnf\", ...}) "
-                                             "or @FILE holding one")
+    p.add_argument(
+        "--response-format",
+        help="a grammar every token follows: an OpenAI response_format as JSON "
+        '(json_object, json_schema; or {"type": "regex"|"ebnf", ...}) '
+        "or @FILE holding one",
+    )
     p.add_argument("--logprobs", action="store_true", help="report the verifier's logprob of each token")
-    p.add_argument("--store", default="memory://",
-                   help="full-KV store URL: memory:// (default), redis[s]://, grpc[s]://; add "
-                        "?link_ratio=R or ?link_gbps=G to emulate a link")
+    p.add_argument(
+        "--store",
+        default="memory://",
+        help="full-KV store URL: memory:// (default), redis[s]://, grpc[s]://; add "
+        "?link_ratio=R or ?link_gbps=G to emulate a link",
+    )
     p.add_argument("--store-namespace", default="default", help="tenant salt of the store keys")
     p.add_argument("--on-store-error", choices=("recompute", "fail"), default="recompute")
     p.add_argument("--check", action="store_true", help="also run full-KV decoding; report identity")
@@ -50,8 +64,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
-                   help="compute every verified row as a one-token decode step would (auto: on a GPU)")
+    p.add_argument(
+        "--batch-invariant",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="compute every verified row as a one-token decode step would (auto: on a GPU)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=cmd_generate)
 
@@ -73,9 +91,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     GenerationConfig(max_new_tokens=args.max_new_tokens, horizon=args.horizon)
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     progress = not args.quiet
-    engine = Engine(args.model, store=args.store, device=args.device, dtype=getattr(torch, args.dtype),
-                    namespace=args.store_namespace, progress=progress,
-                    batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
+    engine = Engine(
+        args.model,
+        store=args.store,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+        namespace=args.store_namespace,
+        progress=progress,
+        batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant],
+    )
     tokens = engine.encode(prompt, chat=not args.raw)
     constraint = None
     if args.response_format:
@@ -85,10 +109,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             constraint = engine.constraint(json.loads(text))
         except json.JSONDecodeError as e:
             raise ValueError(f"--response-format is not JSON: {e}") from None
-    cfg = engine.config(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
-                        horizon=args.horizon, adaptive_horizon=args.adaptive_horizon, verify=args.verify,
-                        logprobs=args.logprobs, keep_logits=args.check, on_store_error=args.on_store_error,
-                        constraint=constraint)
+    cfg = engine.config(
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        stop_strings=tuple(args.stop),
+        horizon=args.horizon,
+        adaptive_horizon=args.adaptive_horizon,
+        verify=args.verify,
+        logprobs=args.logprobs,
+        keep_logits=args.check,
+        on_store_error=args.on_store_error,
+        constraint=constraint,
+    )
     pre = engine.prefill(tokens)
     result = engine.generate(pre, "vericache", compressor, cfg)
     report: dict[str, object] = {
@@ -108,8 +140,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "tokens_per_second": round(result.tokens_per_second, 3),
         "full_kv_bytes": result.stats.full_kv_bytes,
         "compressed_kv_bytes": result.stats.compressed_kv_bytes,
-        "fetch_bytes_per_verify": (round(sum(result.stats.fetch_bytes) / len(result.stats.fetch_bytes))
-                                   if result.stats.fetch_bytes else 0),
+        "fetch_bytes_per_verify": (
+            round(sum(result.stats.fetch_bytes) / len(result.stats.fetch_bytes)) if result.stats.fetch_bytes else 0
+        ),
         "fetch_wait_s": round(result.stats.fetch_wait_s, 3),
         "store_fallbacks": result.stats.store_fallbacks,
         "store": engine.store_report(),
@@ -121,8 +154,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.check:
         full = engine.generate(pre, "full", cfg=cfg)
         cmp = compare(full, result)
-        report.update(identical=cmp["identical"], first_mismatch=cmp["first_mismatch"],
-                      max_logit_abs_diff=cmp["max_logit_abs_diff"])
+        report.update(
+            identical=cmp["identical"],
+            first_mismatch=cmp["first_mismatch"],
+            max_logit_abs_diff=cmp["max_logit_abs_diff"],
+        )
         report["full"] = {"tokens_per_second": round(full.tokens_per_second, 3), "text": full.text}
     if args.lossy:
         lossy = engine.generate(pre, "lossy", compressor, cfg)
@@ -192,8 +228,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--model", default="smollm2", help="'smollm2' (default), 'tiny', or a local HF model dir")
     p.add_argument("--served-model-name", help="the model name clients use (default: the model's)")
-    p.add_argument("--compressor", default="snapkv:ratio=0.25", help="default compressor spec (per request: "
-                   "the 'vericache' object's 'compressor')")
+    p.add_argument(
+        "--compressor",
+        default="snapkv:ratio=0.25",
+        help="default compressor spec (per request: the 'vericache' object's 'compressor')",
+    )
     p.add_argument("--horizon", type=int, default=16, help="default draft horizon")
     p.add_argument("--store", default="memory://", help="full-KV store URL (as for generate)")
     p.add_argument("--store-namespace", default="default")
@@ -201,12 +240,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=8192)
     p.add_argument("--max-tokens", type=int, default=2048, help="the most a request may ask for")
     p.add_argument("--max-concurrency", type=int, default=16, help="requests in flight; more get HTTP 429")
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20,
-                   help="a request body larger than this gets HTTP 413 before it is parsed")
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 << 20,
+        help="a request body larger than this gets HTTP 413 before it is parsed",
+    )
     p.add_argument("--api-key-file", type=Path, help="require 'Authorization: Bearer <key>' (key read from file)")
-    p.add_argument("--prefix-compressor", default="kvzip:ratio=0.25",
-                   help="compressor of shared documents' copies ('none': no shared documents); it never sees "
-                        "the question, so query-agnostic ones suit it (kvzip, knorm, streamingllm, quantizers)")
+    p.add_argument(
+        "--prefix-compressor",
+        default="kvzip:ratio=0.25",
+        help="compressor of shared documents' copies ('none': no shared documents); it never sees "
+        "the question, so query-agnostic ones suit it (kvzip, knorm, streamingllm, quantizers)",
+    )
     p.add_argument("--prefix-refresh-s", type=float, default=2.0, help="how often to read the store's catalog")
     p.add_argument("--max-prefix-bytes", type=int, default=1 << 30, help="compressed document copies held")
     p.add_argument("--threads", type=int, default=0)
@@ -234,14 +280,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.api_key_file} is empty")
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(args.model, store=args.store, device=args.device, dtype=getattr(torch, args.dtype),
-                    namespace=args.store_namespace)
-    limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
-                    max_concurrency=args.max_concurrency)
-    prefixes = None if prefix_compressor is None else PrefixRegistry(engine.runner, engine.store, prefix_compressor,
-                                                                     args.max_prefix_bytes)
-    service = EngineService(engine, args.compressor, args.horizon, args.kv_budget_bytes, limits,
-                            prefixes=prefixes, prefix_refresh_s=args.prefix_refresh_s)
+    engine = Engine(
+        args.model,
+        store=args.store,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+        namespace=args.store_namespace,
+    )
+    limits = Limits(
+        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_tokens, max_concurrency=args.max_concurrency
+    )
+    prefixes = (
+        None
+        if prefix_compressor is None
+        else PrefixRegistry(engine.runner, engine.store, prefix_compressor, args.max_prefix_bytes)
+    )
+    service = EngineService(
+        engine,
+        args.compressor,
+        args.horizon,
+        args.kv_budget_bytes,
+        limits,
+        prefixes=prefixes,
+        prefix_refresh_s=args.prefix_refresh_s,
+    )
     service.start()
     name = args.served_model_name or engine.loaded.name
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler it
@@ -250,22 +312,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _signum, _frame: None)
     try:
-        uvicorn.run(create_app(service, name, api_key, args.max_body_bytes), host=args.host, port=args.port,
-                    log_level=args.log_level)
+        uvicorn.run(
+            create_app(service, name, api_key, args.max_body_bytes),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+        )
     finally:
         service.stop()
     return 0
 
 
 def _add_prefix(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prefix", help="shared documents (RAG): register once, every server sharing the store "
-                                      "drafts over them at once")
+    p = sub.add_parser(
+        "prefix", help="shared documents (RAG): register once, every server sharing the store drafts over them at once"
+    )
     psub = p.add_subparsers(dest="action", required=True)
     add = psub.add_parser("add", help="register a document: its full KV into the store, listed in its catalog")
     add.add_argument("file", type=Path, help="the document's text ('-': standard input)")
     add.add_argument("--name", help="a name to list it under (default: from its digest)")
-    add.add_argument("--role", default="system", choices=("system", "user", "raw"),
-                     help="the chat-template segment it is rendered as (requests must send it the same way)")
+    add.add_argument(
+        "--role",
+        default="system",
+        choices=("system", "user", "raw"),
+        help="the chat-template segment it is rendered as (requests must send it the same way)",
+    )
     lst = psub.add_parser("list", help="the documents in the store's catalog, or a server's copies")
     rm = psub.add_parser("remove", help="unlist a document (servers drop their copies at their next sync)")
     rm.add_argument("digest")
@@ -296,17 +367,28 @@ def cmd_prefix(args: argparse.Namespace) -> int:
         return 0
     if args.action == "list":
         docs = [d.to_json() for d in DocumentCatalog(engine.store).documents()]
-        print(json.dumps(docs) if args.json else "\n".join(f"{d['digest']}  {d['tokens']:>7}  {d['name']}"
-                                                           for d in docs))
+        print(
+            json.dumps(docs) if args.json else "\n".join(f"{d['digest']}  {d['tokens']:>7}  {d['name']}" for d in docs)
+        )
         return 0
     text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text()
     tokens = document_tokens(engine.tokenizer, text, args.role)
     t = time.monotonic()
     pre, digest, name = store_document(engine.runner, engine.store, tokens, args.name)
-    report = {"digest": digest, "name": name, "tokens": len(pre.tokens), "submitted_tokens": len(tokens),
-              "full_kv_bytes": pre.kv.nbytes, "seconds": round(time.monotonic() - t, 3)}
-    print(json.dumps(report) if args.json else f"registered {name} ({digest}): {len(pre.tokens)} of "
-          f"{len(tokens)} tokens (whole store chunks), full KV {pre.kv.nbytes / 2**20:.1f} MiB")
+    report = {
+        "digest": digest,
+        "name": name,
+        "tokens": len(pre.tokens),
+        "submitted_tokens": len(tokens),
+        "full_kv_bytes": pre.kv.nbytes,
+        "seconds": round(time.monotonic() - t, 3),
+    }
+    print(
+        json.dumps(report)
+        if args.json
+        else f"registered {name} ({digest}): {len(pre.tokens)} of "
+        f"{len(tokens)} tokens (whole store chunks), full KV {pre.kv.nbytes / 2**20:.1f} MiB"
+    )
     return 0
 
 
@@ -336,14 +418,19 @@ def _prefix_via_server(args: argparse.Namespace) -> int:
         for d in body["data"]:
             print(f"{d['digest']}  {d['tokens']:>7}  {d['name']}  ({d['compressor']}, {d['hits']} hits)")
     else:
-        print(f"registered {body['name']} ({body['digest']}): {body['tokens']} of {body['submitted_tokens']} tokens, "
-              f"compressed copy {body['compressed_kv_bytes'] / 2**20:.2f} MiB ({body['compressor']})")
+        print(
+            f"registered {body['name']} ({body['digest']}): {body['tokens']} of {body['submitted_tokens']} tokens, "
+            f"compressed copy {body['compressed_kv_bytes'] / 2**20:.2f} MiB ({body['compressor']})"
+        )
     return 0
 
 
 def _add_cluster_tools(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("rag-client", help="the demo cluster's client: shared documents, questions about them, "
-                                          "acceptance, time to first token, identity with full-KV decoding")
+    p = sub.add_parser(
+        "rag-client",
+        help="the demo cluster's client: shared documents, questions about them, "
+        "acceptance, time to first token, identity with full-KV decoding",
+    )
     p.add_argument("--servers", required=True, help="comma-separated server URLs (http://HOST:PORT)")
     p.add_argument("--documents", type=Path, nargs="+", required=True, help="text files, one document each")
     p.add_argument("--question", action="append", help="a question to ask about every document (repeatable)")
@@ -353,9 +440,12 @@ def _add_cluster_tools(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", type=Path)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_rag_client)
-    p = sub.add_parser("sglang-client", help="the demo cluster's SGLang client: questions about shared documents "
-                                             "to an SGLang server with --enable-vericache, checked against full-KV "
-                                             "decoding here")
+    p = sub.add_parser(
+        "sglang-client",
+        help="the demo cluster's SGLang client: questions about shared documents "
+        "to an SGLang server with --enable-vericache, checked against full-KV "
+        "decoding here",
+    )
     p.add_argument("--server", required=True, help="the SGLang server's URL (http://HOST:PORT)")
     p.add_argument("--documents", type=Path, nargs="+", required=True, help="text files, one document each")
     p.add_argument("--question", action="append", help="a question to ask about every document (repeatable)")
@@ -380,8 +470,16 @@ def cmd_rag_client(args: argparse.Namespace) -> int:
 
     key = args.api_key_file.read_text().strip() if args.api_key_file else None
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
-    summary = rag_client.run(args.servers.split(","), args.documents, tuple(args.question or rag_client.QUESTIONS),
-                             args.max_tokens, args.doc_chars, key, args.wait_s, log)
+    summary = rag_client.run(
+        args.servers.split(","),
+        args.documents,
+        tuple(args.question or rag_client.QUESTIONS),
+        args.max_tokens,
+        args.doc_chars,
+        key,
+        args.wait_s,
+        log,
+    )
     if args.json:
         print(json.dumps(summary))
     ok = summary["identical"] and summary["every_server_served_shared_documents"]
@@ -392,8 +490,15 @@ def cmd_sglang_client(args: argparse.Namespace) -> int:
     from vericache_sglang.serve import rag_client, sglang_client
 
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
-    summary = sglang_client.run(args.server, args.documents, tuple(args.question or rag_client.QUESTIONS),
-                                args.max_tokens, args.doc_chars, args.wait_s, log)
+    summary = sglang_client.run(
+        args.server,
+        args.documents,
+        tuple(args.question or rag_client.QUESTIONS),
+        args.max_tokens,
+        args.doc_chars,
+        args.wait_s,
+        log,
+    )
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["identical"] and summary["later_questions_cached"] else 1
@@ -408,12 +513,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_tools(sub)
     p = sub.add_parser("compressors", help="list the compressors, their parameters and defaults")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--recommended", action="store_true",
-                   help="print only the spec of the configuration the README recommends")
+    p.add_argument(
+        "--recommended", action="store_true", help="print only the spec of the configuration the README recommends"
+    )
     p.set_defaults(func=cmd_compressors)
-    p = sub.add_parser("bench", help="run a benchmark: longctx (long-context decoding), prefix (remote prefixes), "
-                                     "sglang (stock SGLang against VeriCache servers on this CPU) or steps (the "
-                                     "cost of one batched iteration against the bytes it reads)")
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark: longctx (long-context decoding), prefix (remote prefixes), "
+        "sglang (stock SGLang against VeriCache servers on this CPU) or steps (the "
+        "cost of one batched iteration against the bytes it reads)",
+    )
     p.add_argument("which", choices=("longctx", "prefix", "sglang", "steps"))
     p.add_argument("--quick", action="store_true", help="the small configuration CI runs")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")

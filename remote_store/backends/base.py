@@ -62,8 +62,10 @@ class ByteStore(ABC):
         the key is missing. Backends that can read slices remotely move only those bytes; this
         default reads whole records."""
         records = self.get_many([key for key, _ in requests])
-        return [None if r is None else [r[o : o + n] for o, n in ranges]
-                for r, (_, ranges) in zip(records, requests, strict=True)]
+        return [
+            None if r is None else [r[o : o + n] for o, n in ranges]
+            for r, (_, ranges) in zip(records, requests, strict=True)
+        ]
 
     def stream_get_ranges(self, groups: Sequence[Sequence[RangeRequest]]) -> Iterator[list[list[bytes] | None]]:
         """``get_ranges`` group by group (one group per layer), each yielded when complete."""

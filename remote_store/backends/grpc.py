@@ -38,14 +38,16 @@ class GrpcStore(ByteStore):
         self.timeout_s = float(query.get("timeout_s", 60))
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         target = f"{parts.hostname}:{parts.port}"
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   # A store that went away and came back is reconnected to within a second or two, and a
-                   # new client does not inherit another channel's reconnect back-off.
-                   ("grpc.use_local_subchannel_pool", 1),
-                   ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 2000)]
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # A store that went away and came back is reconnected to within a second or two, and a
+            # new client does not inherit another channel's reconnect back-off.
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
         if parts.scheme == "grpcs":
             ca = query.get("ca") or os.environ.get("VERICACHE_STORE_CA")
             creds = grpc.ssl_channel_credentials(open(ca, "rb").read() if ca else None)
@@ -103,17 +105,25 @@ class GrpcStore(ByteStore):
 
     def stream_get(self, groups: Sequence[Sequence[str]]) -> Iterator[list[bytes | None]]:
         request = store_pb2.GetRequest(groups=[store_pb2.KeyGroup(keys=list(g)) for g in groups])
-        return self._stream_groups("get", self.stub.Get, request, [len(g) for g in groups],
-                                   lambda r: r.value if r.found else None)
+        return self._stream_groups(
+            "get", self.stub.Get, request, [len(g) for g in groups], lambda r: r.value if r.found else None
+        )
 
     def stream_get_ranges(self, groups: Sequence[Sequence[RangeRequest]]) -> Iterator[list[list[bytes] | None]]:
-        request = store_pb2.GetRangesRequest(groups=[
-            store_pb2.RangeGroup(items=[
-                store_pb2.RangeRequest(key=key, offsets=[o for o, _ in ranges], lengths=[n for _, n in ranges])
-                for key, ranges in group])
-            for group in groups])
-        return self._stream_groups("get", self.stub.GetRanges, request, [len(g) for g in groups],
-                                   lambda r: list(r.parts) if r.found else None)
+        request = store_pb2.GetRangesRequest(
+            groups=[
+                store_pb2.RangeGroup(
+                    items=[
+                        store_pb2.RangeRequest(key=key, offsets=[o for o, _ in ranges], lengths=[n for _, n in ranges])
+                        for key, ranges in group
+                    ]
+                )
+                for group in groups
+            ]
+        )
+        return self._stream_groups(
+            "get", self.stub.GetRanges, request, [len(g) for g in groups], lambda r: list(r.parts) if r.found else None
+        )
 
     def get_ranges(self, requests: Sequence[RangeRequest]) -> list[list[bytes] | None]:
         return next(iter(self.stream_get_ranges([requests]))) if requests else []
@@ -139,8 +149,10 @@ class GrpcStore(ByteStore):
 
     def stats(self) -> dict[str, object]:
         reply = self._call("stats", self.stub.Stats, store_pb2.Empty())
-        return {**{k: (int(v) if float(v).is_integer() else v) for k, v in reply.values.items()},
-                "eviction_policy": reply.eviction_policy}
+        return {
+            **{k: (int(v) if float(v).is_integer() else v) for k, v in reply.values.items()},
+            "eviction_policy": reply.eviction_policy,
+        }
 
     def close(self) -> None:
         self.channel.close()

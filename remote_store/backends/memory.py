@@ -73,9 +73,7 @@ class MemoryStore(ByteStore):
         while self._bytes + need > self.capacity_bytes:
             victim = next(victims, None)
             if victim is None:
-                raise StoreError(
-                    f"store full: {self._bytes} of {self.capacity_bytes} bytes held and the rest pinned"
-                )
+                raise StoreError(f"store full: {self._bytes} of {self.capacity_bytes} bytes held and the rest pinned")
             self._drop(victim)
             self._counters["evictions"] += 1
 
@@ -158,8 +156,9 @@ class MemoryStore(ByteStore):
         if now - self._last_collect < 1.0:
             return
         self._last_collect = now
-        expired = [k for k, (_, exp) in self._data.items() if exp is not None and exp <= now
-                   and not self._pinned(k, now)]
+        expired = [
+            k for k, (_, exp) in self._data.items() if exp is not None and exp <= now and not self._pinned(k, now)
+        ]
         for key in expired:
             self._drop(key)
         self._counters["expired"] += len(expired)
@@ -170,5 +169,10 @@ class MemoryStore(ByteStore):
         now = time.monotonic()
         with self._lock:
             pinned = sum(self._pinned(k, now) for k in list(self._pins))
-            return {"keys": len(self._data), "bytes": self._bytes, "capacity_bytes": self.capacity_bytes,
-                    "pinned_keys": pinned, **self._counters}
+            return {
+                "keys": len(self._data),
+                "bytes": self._bytes,
+                "capacity_bytes": self.capacity_bytes,
+                "pinned_keys": pinned,
+                **self._counters,
+            }

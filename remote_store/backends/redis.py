@@ -77,7 +77,9 @@ class RedisStore(ByteStore):
         timeout = float(own.get("timeout_s", 10))
         self.client = redis.Redis.from_url(
             urlunsplit(parts._replace(query=urlencode(query))),
-            socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            health_check_interval=30,
         )
         self._put = self.client.register_script(_PUT)
         self._pin = self.client.register_script(_PIN)
@@ -167,10 +169,15 @@ class RedisStore(ByteStore):
     def stats(self) -> dict[str, object]:
         def run() -> dict[str, object]:
             mem, st = self.client.info("memory"), self.client.info("stats")
-            return {"keys": self.client.dbsize(), "bytes": mem.get("used_memory", 0),
-                    "capacity_bytes": mem.get("maxmemory", 0), "hits": st.get("keyspace_hits", 0),
-                    "misses": st.get("keyspace_misses", 0), "evictions": st.get("evicted_keys", 0),
-                    "eviction_policy": mem.get("maxmemory_policy", "")}
+            return {
+                "keys": self.client.dbsize(),
+                "bytes": mem.get("used_memory", 0),
+                "capacity_bytes": mem.get("maxmemory", 0),
+                "hits": st.get("keyspace_hits", 0),
+                "misses": st.get("keyspace_misses", 0),
+                "evictions": st.get("evicted_keys", 0),
+                "eviction_policy": mem.get("maxmemory_policy", ""),
+            }
 
         return self._call("stats", run)
 

@@ -20,8 +20,23 @@ MODES = ("full_resident", "full_offloaded", "lossy", "vericache_lockstep", "veri
 
 def bench(which, tmp_path, config: str | None = None):
     extra = ["--config", str(REPO / "benchmarks" / "configs" / config)] if config else []
-    done = subprocess.run([sys.executable, "-m", "vericache_sglang.cli", "bench", which, "--quick", "--json",
-                           "--out", str(tmp_path), *extra], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vericache_sglang.cli",
+            "bench",
+            which,
+            "--quick",
+            "--json",
+            "--out",
+            str(tmp_path),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -76,8 +91,12 @@ def test_compressors_side_by_side_quick(tmp_path):
 def test_drafting_quick(tmp_path):
     """benchmarks/drafting.py --quick: every table written, the replay equal to the live run it
     is checked against, the RAG peers identical to full-KV decoding."""
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "drafting.py"), "--quick", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "drafting.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = json.loads((tmp_path / "drafting.json").read_text())
     assert out["grid"] and out["peers"] and out["long"]
@@ -95,8 +114,12 @@ def test_acceptance_quick(tmp_path):
     against, and the table, plots and KL curves are written."""
     from conftest import REPO
 
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "acceptance.py"), "--quick", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "acceptance.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = json.loads((tmp_path / "acceptance.json").read_text())
     assert out["grid"] and all(r["mean_accepted_length"] >= 1.0 for r in out["grid"])
@@ -107,8 +130,12 @@ def test_acceptance_quick(tmp_path):
         assert check["live_mean_accepted_length"] == pytest.approx(check["estimated_mean_accepted_length"], abs=0.25)
     assert all(curve[0] == 0.0 and len(curve) == out["config"]["new_tokens"] for curve in out["kl"].values())
     assert out["adaptive"] and all(a["adaptive"] > 0 for a in out["adaptive"])
-    for name in ("acceptance.md", "acceptance_mean_accepted_length_vs_horizon.png", "acceptance_vs_ratio.png",
-                 "acceptance_kl_vs_step.png"):
+    for name in (
+        "acceptance.md",
+        "acceptance_mean_accepted_length_vs_horizon.png",
+        "acceptance_vs_ratio.png",
+        "acceptance_kl_vs_step.png",
+    ):
         assert (tmp_path / name).is_file()
 
 

@@ -22,9 +22,23 @@ from vericache_sglang.core.compress.quant.tokenquant import hadamard
 from vericache_sglang.engine.prefill import prefill
 
 N = 300
-FAMILY = ["streamingllm", "h2o", "snapkv:window=16", "pyramidkv:window=16", "adakv:window=16", "expected_attention",
-          "tova", "knorm", "quest:page=8", "kivi:group=16,residual=32", "int8:group=16", "int4:group=16", "kvquant",
-          "rotatekv:group=16", "snapkv:window=16+kivi:bits=4,group=16,residual=32"]
+FAMILY = [
+    "streamingllm",
+    "h2o",
+    "snapkv:window=16",
+    "pyramidkv:window=16",
+    "adakv:window=16",
+    "expected_attention",
+    "tova",
+    "knorm",
+    "quest:page=8",
+    "kivi:group=16,residual=32",
+    "int8:group=16",
+    "int4:group=16",
+    "kvquant",
+    "rotatekv:group=16",
+    "snapkv:window=16+kivi:bits=4,group=16,residual=32",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +52,23 @@ def layer0(pre, spec):
 
 
 def test_every_name_is_registered_and_listed():
-    names = {"streamingllm", "h2o", "snapkv", "pyramidkv", "adakv", "expected_attention", "tova", "knorm", "kvzip",
-             "quest", "kivi", "int8", "int4", "kvquant", "rotatekv"}
+    names = {
+        "streamingllm",
+        "h2o",
+        "snapkv",
+        "pyramidkv",
+        "adakv",
+        "expected_attention",
+        "tova",
+        "knorm",
+        "kvzip",
+        "quest",
+        "kivi",
+        "int8",
+        "int4",
+        "kvquant",
+        "rotatekv",
+    }
     assert set(COMPRESSORS) == names
     for name in names:
         assert parse_spec(name).name == name  # every bare name has defaults
@@ -48,30 +77,37 @@ def test_every_name_is_registered_and_listed():
 
 
 def test_cli_lists_compressors_as_json():
-    done = subprocess.run([sys.executable, "-m", "vericache_sglang.cli", "compressors", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "vericache_sglang.cli", "compressors", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     table = {c["name"]: c for c in json.loads(done.stdout)}
     assert table["kvquant"]["parameters"]["bits"] == {"type": "int", "default": 4}
     assert table["quest"]["kind"] == "sparse"
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("h2o:ratio=0", "ratio must be in (0, 1]"),
-    ("tova:ratio=1.01", "ratio must be in (0, 1]"),
-    ("pyramidkv:beta=0", "beta must be >= 1"),
-    ("adakv:alpha=2", "alpha must be in [0, 1]"),
-    ("kvquant:bits=3", "bits must be 2, 4 or 8"),
-    ("rotatekv:bits=8", "bits must be 2 or 4"),
-    ("kvquant:outliers=0.6", "outliers must be in [0, 0.5)"),
-    ("quest:page=0", "page must be >= 1"),
-    ("kivi:bits=4+snapkv", "the first part must be a token dropper"),
-    ("snapkv+h2o", "the second part must be a quantizer"),
-    ("h2o+kivi", "evicts tokens while decoding"),
-    ("quest+int8", "the first part must be a token dropper"),
-    ("snapkv+kivi+int8", "exactly two parts"),
-    ("snapkv+", "empty part"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("h2o:ratio=0", "ratio must be in (0, 1]"),
+        ("tova:ratio=1.01", "ratio must be in (0, 1]"),
+        ("pyramidkv:beta=0", "beta must be >= 1"),
+        ("adakv:alpha=2", "alpha must be in [0, 1]"),
+        ("kvquant:bits=3", "bits must be 2, 4 or 8"),
+        ("rotatekv:bits=8", "bits must be 2 or 4"),
+        ("kvquant:outliers=0.6", "outliers must be in [0, 0.5)"),
+        ("quest:page=0", "page must be >= 1"),
+        ("kivi:bits=4+snapkv", "the first part must be a token dropper"),
+        ("snapkv+h2o", "the second part must be a quantizer"),
+        ("h2o+kivi", "evicts tokens while decoding"),
+        ("quest+int8", "the first part must be a token dropper"),
+        ("snapkv+kivi+int8", "exactly two parts"),
+        ("snapkv+", "empty part"),
+    ],
+)
 def test_bad_specs(spec, message):
     with pytest.raises(SpecError, match=None) as e:
         parse_spec(spec)
@@ -164,8 +200,10 @@ def test_quest_reads_the_best_pages_and_holds_everything(pre):
     want = math.ceil(0.25 * (newest // 8 + 1)) - 1
     assert k.shape[1] == want * 8 + (N - newest)
     chosen = layer.selected_pages(q, newest // 8, want)
-    bound = (q.view(2, 2, 16).clamp(min=0) @ layer.kmax[:, : newest // 8].transpose(1, 2)
-             + q.view(2, 2, 16).clamp(max=0) @ layer.kmin[:, : newest // 8].transpose(1, 2)).amax(dim=1)
+    bound = (
+        q.view(2, 2, 16).clamp(min=0) @ layer.kmax[:, : newest // 8].transpose(1, 2)
+        + q.view(2, 2, 16).clamp(max=0) @ layer.kmin[:, : newest // 8].transpose(1, 2)
+    ).amax(dim=1)
     assert torch.equal(chosen, bound.topk(want).indices.sort().values)
     assert torch.equal(layer.read_for(None)[0], pre.kv.layers[0][0])
 
@@ -190,8 +228,10 @@ def test_rotation_is_orthogonal_and_quantizers_are_close(pre):
     with pytest.raises(ValueError, match="power of two"):
         hadamard(24)
     k0 = pre.kv.layers[0][0]
-    errs = {spec: (layer0(pre, spec).read()[0] - k0).abs().mean().item()
-            for spec in ("int8:group=16", "int4:group=16", "rotatekv:group=16,bits=4")}
+    errs = {
+        spec: (layer0(pre, spec).read()[0] - k0).abs().mean().item()
+        for spec in ("int8:group=16", "int4:group=16", "rotatekv:group=16,bits=4")
+    }
     assert errs["int8:group=16"] < errs["int4:group=16"]
     scale = k0.abs().mean().item()
     assert errs["int8:group=16"] < 0.01 * scale and errs["rotatekv:group=16,bits=4"] < 0.2 * scale
@@ -212,8 +252,8 @@ def test_composition_maps_exact_rows_to_positions(pre):
     drop = parse_spec("snapkv:window=16,ratio=0.5").compress(pre.kv, pre.obs).layers[0]
     assert isinstance(drop, DroppedLayer) and torch.equal(layer.positions, drop.positions)
     pos, k, _ = layer.exact_kv()  # the kivi residual, at the dropper's positions
-    assert torch.equal(pos, drop.positions[:, -pos.shape[1]:])
-    assert torch.equal(k, drop.keys[:, -pos.shape[1]:])
+    assert torch.equal(pos, drop.positions[:, -pos.shape[1] :])
+    assert torch.equal(k, drop.keys[:, -pos.shape[1] :])
     assert c.spec == "snapkv:ratio=0.5,window=16,kernel=7,pool=max+kivi:bits=4,group=16,residual=32"
     assert parse_spec(c.spec).spec == c.spec
 

@@ -31,13 +31,16 @@ def obs(n_window: int = 64, seed: int = 1) -> Observation:
     return Observation([torch.randn(4, n_window, 64, generator=g) for _ in range(2)])
 
 
-@pytest.mark.parametrize("spec,cls,params", [
-    ("snapkv:ratio=0.125", "snapkv", {"ratio": 0.125}),
-    ("kivi:bits=2", "kivi", {"bits": 2}),
-    ("streamingllm:sink=4,window=512", "streamingllm", {"sink": 4, "window": 512}),
-    ("  SnapKV : ratio = 0.5 , pool=avg ", "snapkv", {"ratio": 0.5, "pool": "avg"}),
-    ("kivi", "kivi", {"bits": 2}),
-])
+@pytest.mark.parametrize(
+    "spec,cls,params",
+    [
+        ("snapkv:ratio=0.125", "snapkv", {"ratio": 0.125}),
+        ("kivi:bits=2", "kivi", {"bits": 2}),
+        ("streamingllm:sink=4,window=512", "streamingllm", {"sink": 4, "window": 512}),
+        ("  SnapKV : ratio = 0.5 , pool=avg ", "snapkv", {"ratio": 0.5, "pool": "avg"}),
+        ("kivi", "kivi", {"bits": 2}),
+    ],
+)
 def test_parse_spec(spec, cls, params):
     c = parse_spec(spec)
     assert c.name == cls
@@ -46,21 +49,24 @@ def test_parse_spec(spec, cls, params):
     assert parse_spec(c.spec).spec == c.spec  # the canonical spec round-trips
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("h2oo:ratio=0.5", "unknown compressor 'h2oo'"),
-    ("", "empty compressor spec"),
-    ("snapkv:ratio", "expected key=value"),
-    ("snapkv:", "parameters expected"),
-    ("snapkv:budget=3", "snapkv has no parameter 'budget'"),
-    ("snapkv:ratio=abc", "not a valid float"),
-    ("snapkv:ratio=0", "ratio must be in (0, 1]"),
-    ("snapkv:ratio=1.5", "ratio must be in (0, 1]"),
-    ("snapkv:kernel=4", "odd number"),
-    ("kivi:bits=3", "bits must be 2 or 4"),
-    ("kivi:residual=48", "multiple of group"),
-    ("streamingllm:window=0", "window must be >= 1"),
-    ("snapkv:ratio=0.5,ratio=0.25", "given twice"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("h2oo:ratio=0.5", "unknown compressor 'h2oo'"),
+        ("", "empty compressor spec"),
+        ("snapkv:ratio", "expected key=value"),
+        ("snapkv:", "parameters expected"),
+        ("snapkv:budget=3", "snapkv has no parameter 'budget'"),
+        ("snapkv:ratio=abc", "not a valid float"),
+        ("snapkv:ratio=0", "ratio must be in (0, 1]"),
+        ("snapkv:ratio=1.5", "ratio must be in (0, 1]"),
+        ("snapkv:kernel=4", "odd number"),
+        ("kivi:bits=3", "bits must be 2 or 4"),
+        ("kivi:residual=48", "multiple of group"),
+        ("streamingllm:window=0", "window must be >= 1"),
+        ("snapkv:ratio=0.5,ratio=0.25", "given twice"),
+    ],
+)
 def test_bad_specs_are_clear_errors(spec, message):
     with pytest.raises(SpecError) as e:
         parse_spec(spec)

@@ -34,8 +34,18 @@ def window(committed: list[int], x: int, lookup: LookupParams | None, forgotten:
     if lookup is not None:
         index = NgramIndex(lookup)
         index.extend(committed)
-    return DraftWindow(x, len(committed), committed[-1:], Sampler(SamplingParams()), False, eos_ids=[0],
-                       vocab_size=VOCAB, forget=forgotten.append, lookup=lookup, index=index)
+    return DraftWindow(
+        x,
+        len(committed),
+        committed[-1:],
+        Sampler(SamplingParams()),
+        False,
+        eos_ids=[0],
+        vocab_size=VOCAB,
+        forget=forgotten.append,
+        lookup=lookup,
+        index=index,
+    )
 
 
 def test_a_chain_is_checked_in_one_forward_and_cut_where_the_model_disagrees():

@@ -38,17 +38,25 @@ def test_ngram_index_proposes_the_latest_longest_match_and_never_itself():
 
 
 def test_spec_modifiers_parse_round_trip_and_refuse_what_is_wrong():
-    for spec in (RECOMMENDED, "snapkv:ratio=0.125+lookup", "snapkv:ratio=0.25+kivi:bits=4+refresh:ratio=0.1",
-                 "h2o:ratio=0.0625+refresh+lookup:trust=4,model=false"):
+    for spec in (
+        RECOMMENDED,
+        "snapkv:ratio=0.125+lookup",
+        "snapkv:ratio=0.25+kivi:bits=4+refresh:ratio=0.1",
+        "h2o:ratio=0.0625+refresh+lookup:trust=4,model=false",
+    ):
         c = parse_spec(spec)
         assert parse_spec(c.spec).spec == c.spec
     c = parse_spec(RECOMMENDED)
     assert c.refreshes and c.lookup == LookupParams(trust=0)
-    for bad, message in [("lookup", "names no compressor"), ("snapkv+lookup+refresh", "order refresh then lookup"),
-                         ("refresh+snapkv", "go after the compressor"), ("snapkv+lookup+lookup", "given twice"),
-                         ("snapkv+refresh:bogus=1", "refresh has no parameter 'bogus'"),
-                         ("snapkv+lookup:min_ngram=3,max_ngram=2", "min_ngram <= max_ngram"),
-                         ("snapkv+refresh:ratio=2", "ratio must be in")]:
+    for bad, message in [
+        ("lookup", "names no compressor"),
+        ("snapkv+lookup+refresh", "order refresh then lookup"),
+        ("refresh+snapkv", "go after the compressor"),
+        ("snapkv+lookup+lookup", "given twice"),
+        ("snapkv+refresh:bogus=1", "refresh has no parameter 'bogus'"),
+        ("snapkv+lookup:min_ngram=3,max_ngram=2", "min_ngram <= max_ngram"),
+        ("snapkv+refresh:ratio=2", "ratio must be in"),
+    ]:
         with pytest.raises(SpecError, match=message):
             parse_spec(bad)
 
@@ -128,21 +136,26 @@ def test_refresh_over_a_kv_in_parts_chooses_what_the_whole_kv_would(tiny_runner,
     queries = [torch.randn(tiny_runner.num_heads, 5, tiny_runner.head_dim) for _ in whole.layers]
     cuts = (0, 17, 17, pre.kv.num_tokens - 5, pre.kv.num_tokens)  # an empty part and the queries' own rows
     comp.refresh(whole, [[(k, v)] for k, v in pre.kv.layers], queries)
-    comp.refresh(parted, [[(k[:, a:b], v[:, a:b]) for a, b in pairwise(cuts)] for k, v in pre.kv.layers],
-                 queries)
+    comp.refresh(parted, [[(k[:, a:b], v[:, a:b]) for a, b in pairwise(cuts)] for k, v in pre.kv.layers], queries)
     for a, b in zip(whole.layers, parted.layers, strict=True):
         assert torch.equal(a.positions, b.positions)
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-@pytest.mark.parametrize("spec", ["streamingllm:sink=4,window=16+lookup:min_ngram=1",
-                                  "streamingllm:sink=4,window=16+lookup:min_ngram=1,trust=1",
-                                  "snapkv:ratio=0.0625,window=16+refresh:ratio=0.0625+lookup:min_ngram=1,trust=1",
-                                  "streamingllm:sink=4,window=16+lookup:min_ngram=1,model=false"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "streamingllm:sink=4,window=16+lookup:min_ngram=1",
+        "streamingllm:sink=4,window=16+lookup:min_ngram=1,trust=1",
+        "snapkv:ratio=0.0625,window=16+refresh:ratio=0.0625+lookup:min_ngram=1,trust=1",
+        "streamingllm:sink=4,window=16+lookup:min_ngram=1,model=false",
+    ],
+)
 def test_lookup_drafts_are_exact(tiny_runner, pre, reference, spec, exactness):
     store = FullKVStore(MemoryStore(), tiny_runner.layout, chunk_tokens=32)
-    res = generate_vericache(tiny_runner, pre, parse_spec(spec), store,
-                             GenerationConfig(max_new_tokens=64, keep_logits=True, horizon=8))
+    res = generate_vericache(
+        tiny_runner, pre, parse_spec(spec), store, GenerationConfig(max_new_tokens=64, keep_logits=True, horizon=8)
+    )
     cmp = compare(reference, res)
     exactness(f"tiny repeated-prompt greedy {spec}", cmp)
     assert cmp["identical"], cmp
@@ -166,12 +179,16 @@ def test_lookup_under_sampling_commits_only_verified_tokens(tiny_runner, pre, ve
         assert compare(generate_full(tiny_runner, pre, cfg), res)["identical"]
 
 
-@pytest.mark.parametrize("spec,x", [("snapkv:ratio=0.0625,window=16+refresh:ratio=0.0625", 8),
-                                    ("streamingllm:sink=4,window=16+lookup:min_ngram=1,trust=1", 16)])
+@pytest.mark.parametrize(
+    "spec,x",
+    [
+        ("snapkv:ratio=0.0625,window=16+refresh:ratio=0.0625", 8),
+        ("streamingllm:sink=4,window=16+lookup:min_ngram=1,trust=1", 16),
+    ],
+)
 def test_the_replay_estimator_matches_live_runs(tiny_runner, pre, reference, spec, x):
     store = FullKVStore(MemoryStore(), tiny_runner.layout, chunk_tokens=32)
-    live = generate_vericache(tiny_runner, pre, parse_spec(spec), store,
-                              GenerationConfig(max_new_tokens=64, horizon=x))
+    live = generate_vericache(tiny_runner, pre, parse_spec(spec), store, GenerationConfig(max_new_tokens=64, horizon=x))
     est = replay(tiny_runner, pre, Trajectory.of(tiny_runner, pre, reference), parse_spec(spec), x)
     assert est["committed"] == live.stats.committed
     assert est["lookup_accepted"] == live.stats.lookup_accepted

@@ -36,8 +36,16 @@ OURS = {  # the same settings as benchmarks/kvpress_oracle.py gives kvpress
     "kvzip": f"kvzip:ratio={KEPT}",
 }
 # Agreement required: the mean over layers and heads of |ours ∩ kvpress| / |kvpress|.
-REQUIRED = {"snapkv": 0.99, "pyramidkv": 0.99, "adakv": 0.99, "expected_attention": 0.99, "tova": 0.99,
-            "knorm": 0.99, "streamingllm": 1.0, "kvzip": 0.7}
+REQUIRED = {
+    "snapkv": 0.99,
+    "pyramidkv": 0.99,
+    "adakv": 0.99,
+    "expected_attention": 0.99,
+    "tova": 0.99,
+    "knorm": 0.99,
+    "streamingllm": 1.0,
+    "kvzip": 0.7,
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +61,36 @@ def oracle(tmp_path, tokens, ratio, only=""):
     (tmp_path / "tokens.json").write_text(json.dumps(tokens))
     out = tmp_path / f"oracle-{ratio}.json"
     env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run([str(ORACLE), str(REPO / "benchmarks" / "kvpress_oracle.py"), "--model", str(smollm2_dir()),
-                           "--tokens", str(tmp_path / "tokens.json"), "--ratio", str(ratio), "--only", only,
-                           "--out", str(out)], capture_output=True, text=True, timeout=3600, env=env)
+    done = subprocess.run(
+        [
+            str(ORACLE),
+            str(REPO / "benchmarks" / "kvpress_oracle.py"),
+            "--model",
+            str(smollm2_dir()),
+            "--tokens",
+            str(tmp_path / "tokens.json"),
+            "--ratio",
+            str(ratio),
+            "--only",
+            only,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())["kept"]
 
 
 def agreement(ours: list[list[list[int]]], theirs: list[list[list[int]]]) -> float:
-    scores = [len(set(o) & set(t)) / max(1, len(t)) for lo, lt in zip(ours, theirs, strict=True)
-              for o, t in zip(lo, lt, strict=True)]
+    scores = [
+        len(set(o) & set(t)) / max(1, len(t))
+        for lo, lt in zip(ours, theirs, strict=True)
+        for o, t in zip(lo, lt, strict=True)
+    ]
     return sum(scores) / len(scores)
 
 
@@ -86,8 +114,11 @@ def test_kept_tokens_agree_with_kvpress(real_engine, prompt, tmp_path):
             ours = [[sorted(set().union(*layer))] for layer in ours]
             theirs[name] = [[sorted(set().union(*layer))] for layer in theirs[name]]
         if name == "adakv":  # the same allotment per head, up to score near-ties
-            moved = sum(abs(a - len(t)) for layer, tl in zip(ckv.layers, theirs[name], strict=True)
-                        for a, t in zip(layer.allotted, tl, strict=True))
+            moved = sum(
+                abs(a - len(t))
+                for layer, tl in zip(ckv.layers, theirs[name], strict=True)
+                for a, t in zip(layer.allotted, tl, strict=True)
+            )
             total = sum(sum(layer.allotted) for layer in ckv.layers)
             assert moved <= 0.02 * total, f"adakv allotments differ by {moved} of {total} tokens"
         results[name] = agreement(ours, theirs[name])
@@ -97,7 +128,8 @@ def test_kept_tokens_agree_with_kvpress(real_engine, prompt, tmp_path):
         f"# Kept tokens against kvpress 0.5.5 (SmolLM2, prose prompt of {n} tokens, kept {KEPT}; "
         f"pyramidkv at 0.75)\n\nReproduce: `scripts/setup_kvpress.sh && "
         "pytest -m slow tests/core/test_kvpress_oracle.py`."
-        f"\n\n{report}\n")
+        f"\n\n{report}\n"
+    )
     print("\n" + report)
     for name, score in results.items():
         assert score >= REQUIRED[name], f"{name}: agreement {score:.3f} < {REQUIRED[name]}\n{report}"

@@ -51,8 +51,9 @@ def simulate(seed: int, iterations: int, arrival_p: float, verifies: int, capaci
 
 @pytest.mark.parametrize("seed", range(5))
 def test_rings_never_overcommit_and_nothing_starves(seed):
-    s, order, admitted, waits, done, active = simulate(seed, 3000, arrival_p=0.05, verifies=6,
-                                                       capacity=int(4 * ITER_S * LINK))
+    s, order, admitted, waits, done, active = simulate(
+        seed, 3000, arrival_p=0.05, verifies=6, capacity=int(4 * ITER_S * LINK)
+    )
     assert len(done) > 100
     assert max(waits) < 10 * s.window  # every wait is bounded
     # whatever is still active has been waiting a bounded time
@@ -63,8 +64,9 @@ def test_rings_never_overcommit_and_nothing_starves(seed):
 
 def test_overload_queues_in_order_and_keeps_the_link_serial():
     # Arrivals far beyond what the link can carry: the queue grows, the rings stay within bounds.
-    s, order, admitted, _waits, done, _active = simulate(7, 600, arrival_p=0.9, verifies=2,
-                                                       capacity=int(3 * ITER_S * LINK))
+    s, order, admitted, _waits, done, _active = simulate(
+        7, 600, arrival_p=0.9, verifies=2, capacity=int(3 * ITER_S * LINK)
+    )
     first_admissions = list(dict.fromkeys(admitted))
     assert first_admissions == order[: len(first_admissions)]
     assert len(s.waiting) > 0 and len(done) > 10
@@ -121,8 +123,9 @@ def test_memory_ring_holds_what_lands_on_the_device_not_what_the_link_carries():
     assert all(r.device_bytes == read for r in res)
     assert max(sum(a <= i <= b for a, b in spans) for i in range(40)) == 2  # two in flight, never three
     s.check()
-    counted_whole = StaggeredScheduler(window=40, iteration_s=ITER_S, link_bytes_s=LINK,
-                                       memory_capacity=2 * read + 1, slack=1.0)
+    counted_whole = StaggeredScheduler(
+        window=40, iteration_s=ITER_S, link_bytes_s=LINK, memory_capacity=2 * read + 1, slack=1.0
+    )
     whole = [counted_whole.admit(f"r{i}", read + write, 3)[f"r{i}"] for i in range(4)]
     assert max(sum(r.reload_start <= i <= r.verify_at for r in whole) for i in range(40)) == 1
     for r in res:

@@ -27,8 +27,9 @@ SPEC = "snapkv:ratio=0.25,window=16"
 @pytest.fixture(scope="module")
 def pres(tiny_runner):
     g = torch.Generator().manual_seed(5)
-    return [prefill(tiny_runner, torch.randint(0, 512, (int(n),), generator=g).tolist())
-            for n in (300, 250, 320, 280, 310)]
+    return [
+        prefill(tiny_runner, torch.randint(0, 512, (int(n),), generator=g).tolist()) for n in (300, 250, 320, 280, 310)
+    ]
 
 
 def gen(**kw):
@@ -40,21 +41,42 @@ def refs(tiny_runner, pres):
     return [generate_full(tiny_runner, p, gen()) for p in pres]
 
 
-def run_batch(runner, pres, mode, schedule="staggered", budget_units=2.5, cfg=None, link_bytes_s=5e8, spec=SPEC,
-              backend=None, **batch):
+def run_batch(
+    runner,
+    pres,
+    mode,
+    schedule="staggered",
+    budget_units=2.5,
+    cfg=None,
+    link_bytes_s=5e8,
+    spec=SPEC,
+    backend=None,
+    **batch,
+):
     unit = (320 + 24) * runner.layout.bytes_per_token
     store = FullKVStore(LinkEmulator(backend or MemoryStore(), link_bytes_s), runner.layout, chunk_tokens=32)
-    engine = BatchEngine(runner, store, parse_spec(spec),
-                         BatchConfig(mode=mode, schedule=schedule, kv_budget_bytes=int(budget_units * unit),
-                                     window=48, **batch), cfg or gen())
+    engine = BatchEngine(
+        runner,
+        store,
+        parse_spec(spec),
+        BatchConfig(mode=mode, schedule=schedule, kv_budget_bytes=int(budget_units * unit), window=48, **batch),
+        cfg or gen(),
+    )
     for i, p in enumerate(pres):
         engine.submit(p, f"r{i}")
     out = engine.run()
     return [out[f"r{i}"] for i in range(len(pres))], engine
 
 
-@pytest.mark.parametrize("mode,schedule", [("full_resident", "staggered"), ("full_offloaded", "staggered"),
-                                           ("vericache", "lockstep"), ("vericache", "staggered")])
+@pytest.mark.parametrize(
+    "mode,schedule",
+    [
+        ("full_resident", "staggered"),
+        ("full_offloaded", "staggered"),
+        ("vericache", "lockstep"),
+        ("vericache", "staggered"),
+    ],
+)
 def test_every_exact_mode_is_identical_to_full_kv(tiny_runner, pres, refs, mode, schedule, exactness):
     outs, engine = run_batch(tiny_runner, pres, mode, schedule)
     for i, (ref, out) in enumerate(zip(refs, outs, strict=True)):
@@ -117,8 +139,7 @@ def test_a_late_verification_waits_at_the_horizon_unless_told_to_draft_on(tiny_r
     # there; with draft_until_verify it drafts up to its verification. Both stay exact.
     stopped, _ = run_batch(tiny_runner, pres, "vericache", budget_units=20, link_bytes_s=2e7)
     assert max(max(o.stats.drafted) for o in stopped) == 6
-    drafting, _ = run_batch(tiny_runner, pres, "vericache", budget_units=20, link_bytes_s=2e7,
-                            draft_until_verify=True)
+    drafting, _ = run_batch(tiny_runner, pres, "vericache", budget_units=20, link_bytes_s=2e7, draft_until_verify=True)
     assert max(max(o.stats.drafted) for o in drafting) > 6
     for ref, a, b in zip(refs, stopped, drafting, strict=True):
         assert compare(ref, a)["identical"] and compare(ref, b)["identical"]
@@ -141,8 +162,9 @@ def test_a_request_larger_than_the_budget_is_a_clear_error(tiny_runner, pres):
         BatchConfig(mode="fast")
 
 
-@pytest.mark.parametrize("mode,schedule", [("full_resident", "staggered"), ("vericache", "staggered"),
-                                           ("vericache", "lockstep")])
+@pytest.mark.parametrize(
+    "mode,schedule", [("full_resident", "staggered"), ("vericache", "staggered"), ("vericache", "lockstep")]
+)
 def test_requests_done_at_their_first_token_leave_cleanly(tiny_runner, pres, mode, schedule):
     outs, _ = run_batch(tiny_runner, pres[:2], mode, schedule, cfg=gen(max_new_tokens=1))
     assert [len(o.tokens) for o in outs] == [1, 1]
@@ -161,8 +183,13 @@ def test_each_prompt_is_compressed_once(tiny_runner, pres, refs, mode):
             return super().compress(full, obs)
 
     store = FullKVStore(MemoryStore(), tiny_runner.layout, chunk_tokens=32)
-    engine = BatchEngine(tiny_runner, store, CountingSnapKV(ratio=0.25, window=16),
-                         BatchConfig(mode=mode, kv_budget_bytes=1 << 28), gen())
+    engine = BatchEngine(
+        tiny_runner,
+        store,
+        CountingSnapKV(ratio=0.25, window=16),
+        BatchConfig(mode=mode, kv_budget_bytes=1 << 28),
+        gen(),
+    )
     for i, p in enumerate(pres):
         engine.submit(p, f"r{i}")
     results = engine.run()
@@ -182,8 +209,11 @@ def test_a_finished_batch_is_freed_without_the_cycle_collector(tiny_runner, pres
     gc.disable()
     try:
         first_verify_gets = 2 * tiny_runner.layout.num_layers + 2  # one get of a fetch fails
-        backend = HookedStore(MemoryStore(), failing_from(first_verify_gets, until=first_verify_gets)) \
-            if store_fails else None
+        backend = (
+            HookedStore(MemoryStore(), failing_from(first_verify_gets, until=first_verify_gets))
+            if store_fails
+            else None
+        )
         outs, engine = run_batch(tiny_runner, pres[:3], "vericache", schedule, backend=backend)
         assert [o.tokens for o in outs] == [r.tokens for r in refs[:3]]
         assert sum(o.stats.store_fallbacks for o in outs) == int(store_fails)

@@ -19,10 +19,15 @@ from vericache_sglang.engine.prefill import prefill
 from vericache_sglang.engine.runner import ModelRunner, ResidentKV, Segment
 from vericache_sglang.full_kv.store import FullKVStore
 
-COMPRESSORS = ["snapkv:ratio=0.25,window=16", "kivi:bits=2,group=16,residual=32", "streamingllm:sink=4,window=32",
-               # verification-guided refresh; prompt lookup composed (trusted, and model-checked only)
-               "snapkv:ratio=0.125,window=16+refresh:ratio=0.125", "streamingllm:sink=4,window=32+lookup:trust=2",
-               "h2o:ratio=0.125+refresh:ratio=0.0625+lookup:trust=0"]
+COMPRESSORS = [
+    "snapkv:ratio=0.25,window=16",
+    "kivi:bits=2,group=16,residual=32",
+    "streamingllm:sink=4,window=32",
+    # verification-guided refresh; prompt lookup composed (trusted, and model-checked only)
+    "snapkv:ratio=0.125,window=16+refresh:ratio=0.125",
+    "streamingllm:sink=4,window=32+lookup:trust=2",
+    "h2o:ratio=0.125+refresh:ratio=0.0625+lookup:trust=0",
+]
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7)
 
 
@@ -70,8 +75,12 @@ def test_runner_matches_transformers(tiny_runner, prompt):
 def test_batched_forward_equals_single(tiny_runner, prompt):
     a, b = ResidentKV(tiny_runner.layout, 64), ResidentKV(tiny_runner.layout, 64)
     single = tiny_runner.forward([Segment(prompt[:20], list(range(20)), a)])[0]
-    both = tiny_runner.forward([Segment(prompt[:20], list(range(20)), b),
-                                Segment(prompt[30:37], list(range(7)), ResidentKV(tiny_runner.layout, 8))])
+    both = tiny_runner.forward(
+        [
+            Segment(prompt[:20], list(range(20)), b),
+            Segment(prompt[30:37], list(range(7)), ResidentKV(tiny_runner.layout, 8)),
+        ]
+    )
     assert (both[0].logits - single.logits).abs().max() < 1e-5
     assert both[1].logits.shape == (7, 512)
 
@@ -88,8 +97,9 @@ def test_vericache_greedy_identical(tiny_runner, pre, reference, spec, exactness
 
 @pytest.mark.parametrize("spec", COMPRESSORS)
 def test_vericache_seeded_sampling_identical(tiny_runner, pre, sampled_reference, spec, exactness):
-    res = generate_vericache(tiny_runner, pre, parse_spec(spec), store_for(tiny_runner),
-                             cfg(horizon=8, sampling=SAMPLED))
+    res = generate_vericache(
+        tiny_runner, pre, parse_spec(spec), store_for(tiny_runner), cfg(horizon=8, sampling=SAMPLED)
+    )
     cmp = compare(sampled_reference, res)
     exactness(f"tiny sampled T=0.8 {spec}", cmp)
     assert cmp["identical"], cmp
@@ -110,14 +120,18 @@ def test_every_compressor_at_its_defaults_is_identical(tiny_runner, pre, referen
 
 
 def test_sampled_output_depends_on_seed(tiny_runner, pre, sampled_reference):
-    other = generate_full(tiny_runner, pre, cfg(sampling=SamplingParams(temperature=0.8, top_k=50,
-                                                                        top_p=0.95, seed=8)))
+    other = generate_full(tiny_runner, pre, cfg(sampling=SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=8)))
     assert other.tokens != sampled_reference.tokens
 
 
 def test_rejection_sampling_commits_only_verified_tokens(tiny_runner, pre):
-    res = generate_vericache(tiny_runner, pre, parse_spec(COMPRESSORS[0]), store_for(tiny_runner),
-                             cfg(horizon=8, sampling=SAMPLED, verify="rejection"))
+    res = generate_vericache(
+        tiny_runner,
+        pre,
+        parse_spec(COMPRESSORS[0]),
+        store_for(tiny_runner),
+        cfg(horizon=8, sampling=SAMPLED, verify="rejection"),
+    )
     assert len(res.tokens) == 48
     assert sum(res.stats.committed) == 47 and all(c >= 1 for c in res.stats.committed)
 
@@ -141,8 +155,9 @@ def test_eos_inside_a_draft_window_stops_where_full_kv_does(tiny_runner, pre, re
 
 
 def test_max_new_tokens_cut_inside_a_window(tiny_runner, pre, reference):
-    res = generate_vericache(tiny_runner, pre, parse_spec(COMPRESSORS[1]), store_for(tiny_runner),
-                             cfg(horizon=16, max_new_tokens=37))
+    res = generate_vericache(
+        tiny_runner, pre, parse_spec(COMPRESSORS[1]), store_for(tiny_runner), cfg(horizon=16, max_new_tokens=37)
+    )
     assert res.tokens == reference.tokens[:37] and res.finish_reason == "length"
 
 
@@ -162,8 +177,14 @@ def test_verify_computes_layer0_before_the_last_layer_arrives(tiny_runner, pre, 
     # model even on a loaded machine, so the verify pass must wait for layers as they arrive.
     link = LinkEmulator(MemoryStore(), bandwidth_bytes_s=2e9, latency_s=0.25)
     timings = []
-    res = generate_vericache(tiny_runner, pre, parse_spec(COMPRESSORS[0]), store_for(tiny_runner, link),
-                             cfg(horizon=4, max_new_tokens=8), timings=timings)
+    res = generate_vericache(
+        tiny_runner,
+        pre,
+        parse_spec(COMPRESSORS[0]),
+        store_for(tiny_runner, link),
+        cfg(horizon=4, max_new_tokens=8),
+        timings=timings,
+    )
     assert res.tokens == reference.tokens[:8]
     assert timings
     for t in timings:
@@ -175,8 +196,14 @@ def test_store_failure_mid_fetch_fails_cleanly(tiny_runner, pre, reference):
     emitted = []
     backend = HookedStore(MemoryStore(), failing_from(2 * tiny_runner.layout.num_layers + 2))
     with pytest.raises(FetchError, match="no unverified token"):
-        generate_vericache(tiny_runner, pre, parse_spec(COMPRESSORS[0]), store_for(tiny_runner, backend),
-                           cfg(horizon=8, on_store_error="fail"), on_commit=emitted.extend)
+        generate_vericache(
+            tiny_runner,
+            pre,
+            parse_spec(COMPRESSORS[0]),
+            store_for(tiny_runner, backend),
+            cfg(horizon=8, on_store_error="fail"),
+            on_commit=emitted.extend,
+        )
     assert backend.gets >= 2 * 4 + 2
     assert 1 < len(emitted) < 48
     assert emitted == reference.tokens[: len(emitted)]  # everything emitted was verified
@@ -184,8 +211,9 @@ def test_store_failure_mid_fetch_fails_cleanly(tiny_runner, pre, reference):
 
 def test_store_failure_mid_fetch_falls_back_to_recompute(tiny_runner, pre, reference, exactness):
     backend = HookedStore(MemoryStore(), failing_from(2 * tiny_runner.layout.num_layers + 2))
-    res = generate_vericache(tiny_runner, pre, parse_spec(COMPRESSORS[0]), store_for(tiny_runner, backend),
-                             cfg(horizon=8))
+    res = generate_vericache(
+        tiny_runner, pre, parse_spec(COMPRESSORS[0]), store_for(tiny_runner, backend), cfg(horizon=8)
+    )
     cmp = compare(reference, res)
     exactness("tiny greedy, store fails mid-fetch, recompute", cmp)
     assert cmp["identical"] and res.stats.store_fallbacks == 1
@@ -212,8 +240,9 @@ def test_bad_inputs(tiny_runner, tmp_path):
 
 def test_generation_near_the_context_end_stops(tiny_runner):
     pre = prefill(tiny_runner, [5] * 2030)
-    res = generate_vericache(tiny_runner, pre, parse_spec(COMPRESSORS[2]), store_for(tiny_runner),
-                             cfg(max_new_tokens=40, horizon=8))
+    res = generate_vericache(
+        tiny_runner, pre, parse_spec(COMPRESSORS[2]), store_for(tiny_runner), cfg(max_new_tokens=40, horizon=8)
+    )
     assert len(pre.tokens) + len(res.tokens) <= 2048
 
 
@@ -223,18 +252,31 @@ def test_local_hf_directories_of_each_family_load_and_match_transformers(tmp_pat
     with save_pretrained) loads with its tokenizer-less config and the runner matches transformers."""
     import transformers
 
-    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
-    config = getattr(transformers, cls[0])(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                           head_dim=16, sliding_window=None)
+    cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+    }[family]
+    config = getattr(transformers, cls[0])(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        head_dim=16,
+        sliding_window=None,
+    )
     torch.manual_seed(0)
     getattr(transformers, cls[1])(config).save_pretrained(tmp_path)
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
-                            unk_token="[UNK]").save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")), unk_token="[UNK]"
+    ).save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path))
     runner = ModelRunner(loaded)
     tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -265,8 +307,13 @@ def test_batch_invariant_runner_is_exact_and_row_stable(tiny_runner, pre, refere
 
 
 def test_adaptive_horizon_is_exact_and_follows_costs(tiny_runner, pre, reference, exactness):
-    res = generate_vericache(tiny_runner, pre, parse_spec("kivi:bits=4,group=16,residual=32"),
-                             store_for(tiny_runner), cfg(horizon=64, adaptive_horizon=True))
+    res = generate_vericache(
+        tiny_runner,
+        pre,
+        parse_spec("kivi:bits=4,group=16,residual=32"),
+        store_for(tiny_runner),
+        cfg(horizon=64, adaptive_horizon=True),
+    )
     cmp = compare(reference, res)
     exactness("tiny greedy adaptive horizon", cmp)
     assert cmp["identical"], cmp

@@ -16,9 +16,14 @@ def test_full_matrix_identical(exactness):
     spec.loader.exec_module(matrix)
     rows = matrix.run_matrix(256)
     for r in rows:
-        exactness(f"matrix {r['prompt']} {r['compressor']} {r['mode']} x={r['horizon']}",
-                  {"identical": r["identical"], "compared_tokens": r["generated_tokens"],
-                   "max_logit_abs_diff": r["max_logit_abs_diff"]})
+        exactness(
+            f"matrix {r['prompt']} {r['compressor']} {r['mode']} x={r['horizon']}",
+            {
+                "identical": r["identical"],
+                "compared_tokens": r["generated_tokens"],
+                "max_logit_abs_diff": r["max_logit_abs_diff"],
+            },
+        )
     assert len(rows) == len(matrix.PROMPTS) * len(matrix.COMPRESSORS) * 3  # greedy x=16, x=32, sampled
     bad = [r for r in rows if not r["identical"]]
     assert not bad, bad

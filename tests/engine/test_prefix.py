@@ -47,12 +47,18 @@ def test_prefix_must_be_in_the_store(tiny_runner, setup):
     _store, registry, prefix, doc, questions = setup
     other = FullKVStore(MemoryStore(), tiny_runner.layout, chunk_tokens=32)
     with pytest.raises(Exception, match="not \\(all\\) in the store"):
-        generate_vericache_from_prefix(tiny_runner, prefix, doc + questions[0], registry.compressor, other,
-                                       GenerationConfig(max_new_tokens=4))
+        generate_vericache_from_prefix(
+            tiny_runner, prefix, doc + questions[0], registry.compressor, other, GenerationConfig(max_new_tokens=4)
+        )
 
 
-@pytest.mark.parametrize("spec", ["snapkv:ratio=0.0625,window=16+refresh:ratio=0.1875,span=4+lookup:min_ngram=1",
-                                  "h2o:ratio=0.125+refresh:ratio=0.125+lookup:min_ngram=1,trust=1"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "snapkv:ratio=0.0625,window=16+refresh:ratio=0.1875,span=4+lookup:min_ngram=1",
+        "h2o:ratio=0.125+refresh:ratio=0.125+lookup:min_ngram=1,trust=1",
+    ],
+)
 def test_prefix_requests_with_drafting_modifiers_are_identical(tiny_runner, setup, spec, exactness):
     """The RAG setting with refresh and lookup: the document's refreshed rows start from its own
     last queries, then each verification re-chooses them over the document and the request."""

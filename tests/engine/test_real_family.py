@@ -37,7 +37,11 @@ def test_identical_to_full_kv(real_engine, pre, reference, spec, exactness):
     cfg = real_engine.config(max_new_tokens=NEW_TOKENS, keep_logits=True, horizon=8)
     res = real_engine.generate(pre, "vericache", spec, cfg)
     cmp = compare(reference, res)
-    exactness(f"SmolLM2 prose greedy {spec} (family)", cmp, accepted_length=res.stats.mean_accepted_length,
-              compressed_over_full=res.stats.compressed_kv_bytes / res.stats.full_kv_bytes)
+    exactness(
+        f"SmolLM2 prose greedy {spec} (family)",
+        cmp,
+        accepted_length=res.stats.mean_accepted_length,
+        compressed_over_full=res.stats.compressed_kv_bytes / res.stats.full_kv_bytes,
+    )
     assert cmp["identical"], cmp
     assert len(res.tokens) == NEW_TOKENS

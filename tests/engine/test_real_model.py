@@ -18,8 +18,11 @@ pytestmark = pytest.mark.real_model
 NEW_TOKENS = 64
 # Lossy decoding diverging is what makes "identical" mean something: SnapKV shows it in the default
 # set, the quantizer and the window in the heavy set (their exactness: tests/engine/test_real_family.py).
-AGGRESSIVE = ["snapkv:ratio=0.125", pytest.param("kivi:bits=2", marks=pytest.mark.slow),
-              pytest.param("streamingllm:window=256", marks=pytest.mark.slow)]
+AGGRESSIVE = [
+    "snapkv:ratio=0.125",
+    pytest.param("kivi:bits=2", marks=pytest.mark.slow),
+    pytest.param("streamingllm:window=256", marks=pytest.mark.slow),
+]
 SAMPLED = SamplingParams(temperature=0.8, seed=1234)
 
 
@@ -64,8 +67,9 @@ TRUSTED = "h2o:ratio=0.03125+refresh:ratio=0.09375,span=16+lookup:trust=4"  # tr
 
 
 @pytest.mark.parametrize("spec", [RECOMMENDED, pytest.param(TRUSTED, marks=pytest.mark.slow)])
-def test_refresh_and_lookup_are_exact_and_draft_from_both_sources(real_engine, pre, greedy_ref, sampled_ref, spec,
-                                                                  exactness):
+def test_refresh_and_lookup_are_exact_and_draft_from_both_sources(
+    real_engine, pre, greedy_ref, sampled_ref, spec, exactness
+):
     """Issue #16's CI set: one refresh configuration with model-checked lookup (the recommended one)
     and one with trusted lookup (heavy set; on the tiny model in the default set); greedy and seeded
     sampling identical to full-KV decoding, lookup chains drafted and accepted, and the replay
@@ -79,8 +83,12 @@ def test_refresh_and_lookup_are_exact_and_draft_from_both_sources(real_engine, p
     assert res.stats.compressed_kv_bytes < res.stats.full_kv_bytes / 6
     est = replay(real_engine.runner, pre, Trajectory.of(real_engine.runner, pre, greedy_ref), parse_spec(spec), 16)
     assert est["committed"] == res.stats.committed
-    sampled = real_engine.generate(pre, "vericache", spec, real_engine.config(
-        max_new_tokens=NEW_TOKENS, keep_logits=True, horizon=16, sampling=SAMPLED))
+    sampled = real_engine.generate(
+        pre,
+        "vericache",
+        spec,
+        real_engine.config(max_new_tokens=NEW_TOKENS, keep_logits=True, horizon=16, sampling=SAMPLED),
+    )
     cmp = compare(sampled_ref, sampled)
     exactness(f"SmolLM2 prose sampled T=0.8 {spec}", cmp)
     assert cmp["identical"], cmp
@@ -97,28 +105,57 @@ def test_stop_string_inside_a_window_cuts_where_full_kv_does(real_engine, pre, g
 
 
 def vericache_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "vericache_sglang.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "vericache_sglang.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_json_check():
-    done = vericache_cli("generate", "--prompt-file", str(PROMPTS / "prose.txt"), "--max-new-tokens", "12",
-                         "--compressor", "kivi:bits=2", "--horizon", "8", "--check", "--json", "--threads", "2")
+    done = vericache_cli(
+        "generate",
+        "--prompt-file",
+        str(PROMPTS / "prose.txt"),
+        "--max-new-tokens",
+        "12",
+        "--compressor",
+        "kivi:bits=2",
+        "--horizon",
+        "8",
+        "--check",
+        "--json",
+        "--threads",
+        "2",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
-    for key in ("identical", "generated_tokens", "mean_accepted_length", "verify_passes", "tokens_per_second",
-                "full_kv_bytes", "compressed_kv_bytes", "max_logit_abs_diff", "text"):
+    for key in (
+        "identical",
+        "generated_tokens",
+        "mean_accepted_length",
+        "verify_passes",
+        "tokens_per_second",
+        "full_kv_bytes",
+        "compressed_kv_bytes",
+        "max_logit_abs_diff",
+        "text",
+    ):
         assert key in out, key
     assert out["identical"] is True and out["generated_tokens"] == 12
     assert out["max_logit_abs_diff"] < 1e-3
     assert "prefill" in done.stderr  # progress goes to stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--compressor", "h2oo"], "unknown compressor 'h2oo' in spec 'h2oo'; choices: adakv, expected_attention, h2o,"),
-    (["--horizon", "0"], "horizon must be >= 1"),
-    (["--model", "/nonexistent/model"], "no such directory"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--compressor", "h2oo"],
+            "unknown compressor 'h2oo' in spec 'h2oo'; choices: adakv, expected_attention, h2o,",
+        ),
+        (["--horizon", "0"], "horizon must be >= 1"),
+        (["--model", "/nonexistent/model"], "no such directory"),
+    ],
+)
 def test_cli_bad_input_is_a_clear_error(args, message):
     done = vericache_cli("generate", "--prompt", "hi", *args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
@@ -132,14 +169,36 @@ def test_cli_prompt_longer_than_context(tmp_path):
 
 
 @pytest.mark.service
-@pytest.mark.parametrize("which", [pytest.param("redis_url", marks=pytest.mark.slow), "store_url",
-                                   pytest.param("lmcache_url", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "which",
+    [
+        pytest.param("redis_url", marks=pytest.mark.slow),
+        "store_url",
+        pytest.param("lmcache_url", marks=pytest.mark.slow),
+    ],
+)
 def test_cli_store_backends_and_prefix_shared_across_processes(request, which):
     import uuid
 
     url = request.getfixturevalue(which)
-    args = ["generate", "--prompt-file", str(PROMPTS / "prose.txt"), "--max-new-tokens", "8", "--horizon", "4",
-            "--store", url, "--store-namespace", uuid.uuid4().hex, "--check", "--json", "--threads", "2", "--quiet"]
+    args = [
+        "generate",
+        "--prompt-file",
+        str(PROMPTS / "prose.txt"),
+        "--max-new-tokens",
+        "8",
+        "--horizon",
+        "4",
+        "--store",
+        url,
+        "--store-namespace",
+        uuid.uuid4().hex,
+        "--check",
+        "--json",
+        "--threads",
+        "2",
+        "--quiet",
+    ]
     first, second = vericache_cli(*args), vericache_cli(*args)
     assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:] + second.stderr[-2000:]
     a, b = json.loads(first.stdout), json.loads(second.stdout)

@@ -53,25 +53,47 @@ def test_dropped_layer_counts_content_bytes_and_appends_in_place():
     assert layer.nbytes == content * 7 // 5 and layer.reserved_nbytes > 0
 
 
-@pytest.mark.parametrize("spec", ["snapkv:ratio=0.25", "streamingllm:sink=2,window=20", "kivi:bits=2,group=16",
-                                  "kivi:bits=2,group=16,residual=32", "snapkv:ratio=0.5+kivi:bits=4,group=16",
-                                  "snapkv:ratio=0.5+kivi:bits=4,group=16,residual=16"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "snapkv:ratio=0.25",
+        "streamingllm:sink=2,window=20",
+        "kivi:bits=2,group=16",
+        "kivi:bits=2,group=16,residual=32",
+        "snapkv:ratio=0.5+kivi:bits=4,group=16",
+        "snapkv:ratio=0.5+kivi:bits=4,group=16,residual=16",
+    ],
+)
 def test_a_draft_window_attends_to_what_concatenation_gave(tiny_runner, spec):
     """In place (droppers) or assembled in a workspace (quantizers: the dequantized blocks, the
     residual, the window): every draft token attends to the compressed KV followed by the
     window's earlier tokens, bit for bit, and a commit after the window sees none of them."""
     g = torch.Generator().manual_seed(0)
     lay = tiny_runner.layout
-    full = FullKV(lay, [(torch.randn(lay.num_kv_heads, 80, lay.head_dim, generator=g),
-                         torch.randn(lay.num_kv_heads, 80, lay.head_dim, generator=g)) for _ in range(lay.num_layers)])
-    obs = Observation(queries=[torch.randn(tiny_runner.num_heads, 32, lay.head_dim, generator=g)
-                               for _ in range(lay.num_layers)])
+    full = FullKV(
+        lay,
+        [
+            (
+                torch.randn(lay.num_kv_heads, 80, lay.head_dim, generator=g),
+                torch.randn(lay.num_kv_heads, 80, lay.head_dim, generator=g),
+            )
+            for _ in range(lay.num_layers)
+        ],
+    )
+    obs = Observation(
+        queries=[torch.randn(tiny_runner.num_heads, 32, lay.head_dim, generator=g) for _ in range(lay.num_layers)]
+    )
     compressor = parse_spec(spec)
     ckv = compressor.compress(full, obs)
     before = [layer.read() for layer in ckv.layers]
     window = DraftKV(ckv)
-    new = [(torch.randn(lay.num_kv_heads, 1, lay.head_dim, generator=g),
-            torch.randn(lay.num_kv_heads, 1, lay.head_dim, generator=g)) for _ in range(3)]
+    new = [
+        (
+            torch.randn(lay.num_kv_heads, 1, lay.head_dim, generator=g),
+            torch.randn(lay.num_kv_heads, 1, lay.head_dim, generator=g),
+        )
+        for _ in range(3)
+    ]
     for step, (k, v) in enumerate(new):
         for li in range(lay.num_layers):
             keys, values = window.attend_kv(li, k, v)
@@ -93,15 +115,19 @@ def test_a_draft_window_attends_to_what_concatenation_gave(tiny_runner, spec):
 def test_one_head_gemm_serves_every_segment_as_its_own_would(tiny_runner, prompt):
     """Rows from several segments ("last", "all", "none") through one head GEMM: each segment's
     logits are the ones it gets alone, in its own order."""
+
     def ctx(n):
         c = ResidentKV(tiny_runner.layout, 64)
         tiny_runner.forward([Segment(prompt[:n], list(range(n)), c, logits="none")])
         return c
 
-    segs = [(prompt[20:21], 20, "last"), (prompt[30:34], 30, "all"), (prompt[40:41], 40, "none"),
-            (prompt[50:53], 50, "last")]
-    together = tiny_runner.forward([Segment(t, list(range(p, p + len(t))), ctx(p), logits=mode)
-                                    for t, p, mode in segs])
+    segs = [
+        (prompt[20:21], 20, "last"),
+        (prompt[30:34], 30, "all"),
+        (prompt[40:41], 40, "none"),
+        (prompt[50:53], 50, "last"),
+    ]
+    together = tiny_runner.forward([Segment(t, list(range(p, p + len(t))), ctx(p), logits=mode) for t, p, mode in segs])
     for (t, p, mode), out in zip(segs, together, strict=True):
         alone = tiny_runner.forward([Segment(t, list(range(p, p + len(t))), ctx(p), logits=mode)])[0]
         if mode == "none":
@@ -118,8 +144,13 @@ def test_a_verify_pass_over_a_fetch_with_room_writes_in_place_and_matches_concat
     little room (2 for 4 tokens) falls back to concatenation."""
     g = torch.Generator().manual_seed(1)
     lay = tiny_runner.layout
-    kv = [(torch.randn(lay.num_kv_heads, 50, lay.head_dim, generator=g),
-           torch.randn(lay.num_kv_heads, 50, lay.head_dim, generator=g)) for _ in range(lay.num_layers)]
+    kv = [
+        (
+            torch.randn(lay.num_kv_heads, 50, lay.head_dim, generator=g),
+            torch.randn(lay.num_kv_heads, 50, lay.head_dim, generator=g),
+        )
+        for _ in range(lay.num_layers)
+    ]
     store = FullKVStore(MemoryStore(), lay, chunk_tokens=16)
     req = store.open_request(list(range(50)))
     req.write(0, kv)
@@ -134,8 +165,9 @@ def test_a_verify_pass_over_a_fetch_with_room_writes_in_place_and_matches_concat
     fetch.join()
     # the logits of a verify pass are those over a resident full KV
     tokens = [5, 6, 7, 8]
-    over_fetch = tiny_runner.forward([Segment(tokens, list(range(50, 54)),
-                                              StreamedKV(FullKVFetch(req, 50, lay.num_layers, room=room)))])[0]
+    over_fetch = tiny_runner.forward(
+        [Segment(tokens, list(range(50, 54)), StreamedKV(FullKVFetch(req, 50, lay.num_layers, room=room)))]
+    )[0]
     resident = ResidentKV.from_full(FullKV(lay, kv), 60)
     over_resident = tiny_runner.forward([Segment(tokens, list(range(50, 54)), resident)])[0]
     assert torch.equal(over_fetch.logits, over_resident.logits)
@@ -183,8 +215,13 @@ def test_a_sliding_window_layer_matches_compressing_the_whole_sequence(tiny_runn
     g = torch.Generator().manual_seed(4)
     lay = tiny_runner.layout
     n, extra = 40, 30
-    full = [(torch.randn(lay.num_kv_heads, n + extra, lay.head_dim, generator=g),
-             torch.randn(lay.num_kv_heads, n + extra, lay.head_dim, generator=g)) for _ in range(lay.num_layers)]
+    full = [
+        (
+            torch.randn(lay.num_kv_heads, n + extra, lay.head_dim, generator=g),
+            torch.randn(lay.num_kv_heads, n + extra, lay.head_dim, generator=g),
+        )
+        for _ in range(lay.num_layers)
+    ]
     compressor = parse_spec("streamingllm:sink=3,window=20")
     ckv = compressor.compress(FullKV(lay, [(k[:, :n], v[:, :n]) for k, v in full]))
     buffers = None
@@ -205,11 +242,18 @@ def test_the_runner_counts_the_keys_each_row_attends_and_their_flops(tiny_runner
     resident = ResidentKV(tiny_runner.layout, 64)
     before = tiny_runner.attended_keys
     tiny_runner.forward([Segment(prompt[:40], list(range(40)), resident, logits="none")])
-    tiny_runner.forward([Segment(prompt[40:44], list(range(40, 44)), resident),
-                         Segment(prompt[:1], [0], ResidentKV(tiny_runner.layout, 4))])
+    tiny_runner.forward(
+        [
+            Segment(prompt[40:44], list(range(40, 44)), resident),
+            Segment(prompt[:1], [0], ResidentKV(tiny_runner.layout, 4)),
+        ]
+    )
     assert tiny_runner.attended_keys - before == layers * (40 * 40 + 4 * 44 + 1 * 1)
     one_row = tiny_runner.flops(1, 0)
-    params = sum(p.numel() for p in tiny_runner.layers.parameters() if p.dim() == 2) + \
-        tiny_runner.lm_head.weight.numel()
-    assert one_row == 2 * params and tiny_runner.flops(3, 10) == 3 * one_row + \
-        4 * tiny_runner.num_heads * tiny_runner.head_dim * 10
+    params = (
+        sum(p.numel() for p in tiny_runner.layers.parameters() if p.dim() == 2) + tiny_runner.lm_head.weight.numel()
+    )
+    assert (
+        one_row == 2 * params
+        and tiny_runner.flops(3, 10) == 3 * one_row + 4 * tiny_runner.num_heads * tiny_runner.head_dim * 10
+    )

@@ -36,8 +36,12 @@ GPU_OVERRIDE = REPO / "deploy" / "compose.gpu.yml"
 
 def compose_config(profile: str, *overrides: Path) -> dict:
     files = [arg for f in (cluster.COMPOSE, *overrides) for arg in ("-f", str(f))]
-    out = subprocess.run([COMPOSE_BIN, *files, "--profile", profile, "config", "--format", "json"],
-                         capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(
+        [COMPOSE_BIN, *files, "--profile", profile, "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -54,8 +58,11 @@ def test_compose_file_passes_compose_config(profile):
             assert "healthcheck" in svc, f"{name} has no health check"
         assert "TOKEN=" not in json.dumps(svc.get("environment", {})), f"{name}: a secret in the file"
     assert {"models"} | ({"redis-data"} if profile == "cpu" else set()) <= set(spec["volumes"])
-    expected = {"redis", "lmcache", "store", "model", "vericache-a", "vericache-b", "rag-client"} if profile == "cpu" \
+    expected = (
+        {"redis", "lmcache", "store", "model", "vericache-a", "vericache-b", "rag-client"}
+        if profile == "cpu"
         else {"store", "model", "sglang", "sglang-client"}
+    )
     assert set(services) == expected
     if profile.startswith("sglang"):
         args = services["sglang"]["command"]
@@ -84,8 +91,10 @@ def test_every_image_builds_from_files_in_the_repository():
 
 def test_compose_config_rejects_what_the_schema_forbids(tmp_path):
     bad = tmp_path / "compose.yml"
-    for body, error in [("bogus: 1", "additional properties 'bogus'"), ("healthcheck: {test: [CMD, true]}",
-                                                                         "must be a string")]:
+    for body, error in [
+        ("bogus: 1", "additional properties 'bogus'"),
+        ("healthcheck: {test: [CMD, true]}", "must be a string"),
+    ]:
         bad.write_text(f"services:\n  a:\n    image: redis\n    {body}\n")
         out = subprocess.run([COMPOSE_BIN, "-f", str(bad), "config", "-q"], capture_output=True, text=True)
         assert out.returncode != 0 and error in out.stderr, out

@@ -21,8 +21,12 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def service(real_engine):
-    svc = EngineService(real_engine, "snapkv:ratio=0.25", horizon=8,
-                        limits=Limits(max_prompt_tokens=4096, max_new_tokens=256, max_concurrency=4))
+    svc = EngineService(
+        real_engine,
+        "snapkv:ratio=0.25",
+        horizon=8,
+        limits=Limits(max_prompt_tokens=4096, max_new_tokens=256, max_concurrency=4),
+    )
     svc.start()
     yield svc
     svc.stop()
@@ -56,8 +60,10 @@ def test_completion_is_identical_to_full_kv(client, prompt, reference, exactness
     body = r.json()
     choice = body["choices"][0]
     identical = choice["token_ids"] == reference.tokens
-    exactness("SmolLM2 server /v1/completions kivi:bits=2", {"identical": identical, "first_mismatch": None,
-                                                            "compared_tokens": NEW, "max_logit_abs_diff": None})
+    exactness(
+        "SmolLM2 server /v1/completions kivi:bits=2",
+        {"identical": identical, "first_mismatch": None, "compared_tokens": NEW, "max_logit_abs_diff": None},
+    )
     assert identical and choice["text"] == reference.text
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": NEW, "total_tokens": len(prompt) + NEW}
     v = body["vericache"]
@@ -66,8 +72,12 @@ def test_completion_is_identical_to_full_kv(client, prompt, reference, exactness
 
 
 def test_stream_carries_the_same_verified_text(client, prompt, reference):
-    with client.stream("POST", "/v1/completions", headers=AUTH,
-                       json={"prompt": prompt, "max_tokens": NEW, "temperature": 0, "stream": True}) as r:
+    with client.stream(
+        "POST",
+        "/v1/completions",
+        headers=AUTH,
+        json={"prompt": prompt, "max_tokens": NEW, "temperature": 0, "stream": True},
+    ) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
@@ -81,8 +91,12 @@ def test_stream_carries_the_same_verified_text(client, prompt, reference):
 
 def test_concurrent_requests_each_identical(client, real_engine, prompt):
     prompts = [prompt[: 600 + 150 * i] for i in range(3)]
-    refs = [real_engine.generate(real_engine.prefill(p, reuse_prefix=False), "full",
-                                 cfg=real_engine.config(max_new_tokens=16)) for p in prompts]
+    refs = [
+        real_engine.generate(
+            real_engine.prefill(p, reuse_prefix=False), "full", cfg=real_engine.config(max_new_tokens=16)
+        )
+        for p in prompts
+    ]
     out: dict[int, dict] = {}
 
     def run(i):
@@ -100,29 +114,38 @@ def test_concurrent_requests_each_identical(client, real_engine, prompt):
 def test_chat_completion(client, real_engine):
     messages = [{"role": "user", "content": "Name three primary colours."}]
     tokens = real_engine.encode("Name three primary colours.")
-    ref = real_engine.generate(real_engine.prefill(tokens, reuse_prefix=False), "full",
-                               cfg=real_engine.config(max_new_tokens=20))
-    r = client.post("/v1/chat/completions", headers=AUTH,
-                    json={"messages": messages, "max_tokens": 20, "temperature": 0})
+    ref = real_engine.generate(
+        real_engine.prefill(tokens, reuse_prefix=False), "full", cfg=real_engine.config(max_new_tokens=20)
+    )
+    r = client.post(
+        "/v1/chat/completions", headers=AUTH, json={"messages": messages, "max_tokens": 20, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == ref.text
-    with client.stream("POST", "/v1/chat/completions", headers=AUTH,
-                       json={"messages": messages, "max_tokens": 20, "temperature": 0, "stream": True}) as s:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        headers=AUTH,
+        json={"messages": messages, "max_tokens": 20, "temperature": 0, "stream": True},
+    ) as s:
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == ref.text
 
 
-@pytest.mark.parametrize("body,status,fragment", [
-    ({"max_tokens": 100000}, 400, "max_tokens must be in"),
-    ({"vericache": {"compressor": "h2oo"}}, 400, "unknown compressor"),
-    ({"vericache": {"horizon": 0}}, 400, "horizon must be in"),
-    ({"vericache": {"colour": "red"}}, 400, "vericache.colour"),
-    ({"n": 2}, 400, "n > 1"),
-    ({"model": "gpt-9"}, 404, "is not served here"),
-    ({"top_p": 0}, 400, "top_p"),
-    ({"prompt": [1, 10**9]}, 400, "token ids must be in"),
-    ({"prompt": "x" * 3}, 200, ""),
-])
+@pytest.mark.parametrize(
+    "body,status,fragment",
+    [
+        ({"max_tokens": 100000}, 400, "max_tokens must be in"),
+        ({"vericache": {"compressor": "h2oo"}}, 400, "unknown compressor"),
+        ({"vericache": {"horizon": 0}}, 400, "horizon must be in"),
+        ({"vericache": {"colour": "red"}}, 400, "vericache.colour"),
+        ({"n": 2}, 400, "n > 1"),
+        ({"model": "gpt-9"}, 404, "is not served here"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"prompt": [1, 10**9]}, 400, "token ids must be in"),
+        ({"prompt": "x" * 3}, 200, ""),
+    ],
+)
 def test_bad_requests_are_clear_4xx(client, body, status, fragment):
     r = client.post("/v1/completions", headers=AUTH, json={"prompt": [1, 2, 3], "max_tokens": 4, **body})
     assert r.status_code == status, r.text
@@ -155,10 +178,17 @@ def test_concurrency_limit_is_429(real_engine, prompt):
 def test_metrics_are_scraped(client, prompt):
     complete(client, prompt[:300], max_tokens=8)
     text = client.get("/metrics").text
-    for name in ("vericache_requests_total", "vericache_generated_tokens_total", "vericache_verify_passes_total",
-                 "vericache_accepted_length_bucket", "vericache_full_kv_fetched_bytes_total",
-                 "vericache_link_wait_seconds_total", "vericache_store_errors_total",
-                 "vericache_decode_tokens_per_second", "vericache_requests_in_flight"):
+    for name in (
+        "vericache_requests_total",
+        "vericache_generated_tokens_total",
+        "vericache_verify_passes_total",
+        "vericache_accepted_length_bucket",
+        "vericache_full_kv_fetched_bytes_total",
+        "vericache_link_wait_seconds_total",
+        "vericache_store_errors_total",
+        "vericache_decode_tokens_per_second",
+        "vericache_requests_in_flight",
+    ):
         assert name in text, name
     ok = [line for line in text.splitlines() if line.startswith('vericache_requests_total{status="ok"}')]
     assert ok and float(ok[0].split()[-1]) >= 1

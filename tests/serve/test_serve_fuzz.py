@@ -21,8 +21,12 @@ NAN, INF = float("nan"), float("inf")
 
 @pytest.fixture(scope="module")
 def client(real_engine):
-    service = EngineService(real_engine, "snapkv:ratio=0.25", horizon=8,
-                            limits=Limits(max_prompt_tokens=2048, max_new_tokens=64, max_concurrency=4))
+    service = EngineService(
+        real_engine,
+        "snapkv:ratio=0.25",
+        horizon=8,
+        limits=Limits(max_prompt_tokens=2048, max_new_tokens=64, max_concurrency=4),
+    )
     service.start()
     with TestClient(create_app(service, "smollm2", max_body_bytes=MAX_BODY)) as c:
         yield c
@@ -53,15 +57,34 @@ COMMON = {
     "bogus_field": [1, "x"],
 }
 ENDPOINTS = {
-    "/v1/completions": ({"prompt": "Hello", "max_tokens": 4, "temperature": 0},
-                        {**COMMON, "prompt": [5, [], "", [-1], [10**9], [1.5]], "logprobs": [2, -1, "x"],
-                         "echo": [True, "x"], "best_of": [2, 0], "suffix": ["after", 5]}),
-    "/v1/chat/completions": ({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0},
-                             {**COMMON, "messages": [[], "x", [{"role": "wizard", "content": "x"}],
-                                                     [{"role": "user", "content": 5}],
-                                                     [{"role": "tool", "content": "x"}],  # no tool_call_id
-                                                     [{"role": "user", "content": "x", "bogus": 1}]],
-                              "max_completion_tokens": [0, "x"], "logprobs": ["x", 3], "top_logprobs": [1, 50, -1]}),
+    "/v1/completions": (
+        {"prompt": "Hello", "max_tokens": 4, "temperature": 0},
+        {
+            **COMMON,
+            "prompt": [5, [], "", [-1], [10**9], [1.5]],
+            "logprobs": [2, -1, "x"],
+            "echo": [True, "x"],
+            "best_of": [2, 0],
+            "suffix": ["after", 5],
+        },
+    ),
+    "/v1/chat/completions": (
+        {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0},
+        {
+            **COMMON,
+            "messages": [
+                [],
+                "x",
+                [{"role": "wizard", "content": "x"}],
+                [{"role": "user", "content": 5}],
+                [{"role": "tool", "content": "x"}],  # no tool_call_id
+                [{"role": "user", "content": "x", "bogus": 1}],
+            ],
+            "max_completion_tokens": [0, "x"],
+            "logprobs": ["x", 3],
+            "top_logprobs": [1, 50, -1],
+        },
+    ),
 }
 
 
@@ -83,8 +106,16 @@ def test_a_bad_field_is_a_4xx_that_names_it(client, path, base, field, value):
 
 
 def test_refused_fields_are_the_ones_listed(client):
-    r = client.post("/v1/chat/completions", json={**ENDPOINTS["/v1/chat/completions"][0], "frequency_penalty": 0.0,
-                                                 "presence_penalty": 0.0, "user": "u-1", "stream_options": None})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            **ENDPOINTS["/v1/chat/completions"][0],
+            "frequency_penalty": 0.0,
+            "presence_penalty": 0.0,
+            "user": "u-1",
+            "stream_options": None,
+        },
+    )
     assert r.status_code == 200, r.text  # neutral values of refused fields are accepted
     assert set(REFUSED) >= {"presence_penalty", "frequency_penalty", "logit_bias", "top_logprobs"}
 
@@ -110,9 +141,12 @@ def test_oversized_and_malformed_bodies(client, path):
 
 def test_the_server_answers_correctly_after(client, real_engine):
     tokens = real_engine.encode("Name three colours.")
-    ref = real_engine.generate(real_engine.prefill(tokens, reuse_prefix=False), "full",
-                               cfg=real_engine.config(max_new_tokens=12))
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Name three colours."}],
-                                                 "max_tokens": 12, "temperature": 0})
+    ref = real_engine.generate(
+        real_engine.prefill(tokens, reuse_prefix=False), "full", cfg=real_engine.config(max_new_tokens=12)
+    )
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == ref.text

@@ -14,8 +14,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 
 def test_load_with_the_store_killed(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_load.py"), "--streams", "8",
-                           "--seconds", "60", "--out", str(tmp_path)], capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "serve_load.py"),
+            "--streams",
+            "8",
+            "--seconds",
+            "60",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     summary = json.loads((tmp_path / "serve_load.json").read_text())["summary"]
     assert done.returncode == 0, (summary, done.stderr[-3000:])
     assert summary["unverified_or_wrong_tokens"] == 0 and summary["requests"] >= 16

@@ -19,21 +19,34 @@ from vericache_sglang.engine.engine import compare
 
 pytestmark = pytest.mark.real_model
 
-CALL = {"type": "object", "properties": {"tool": {"type": "string", "maxLength": 40},
-                                         "arguments": {"type": "object"}},
-        "required": ["tool", "arguments"], "additionalProperties": False}
+CALL = {
+    "type": "object",
+    "properties": {"tool": {"type": "string", "maxLength": 40}, "arguments": {"type": "object"}},
+    "required": ["tool", "arguments"],
+    "additionalProperties": False,
+}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "call", "schema": CALL}}
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
 ID = {"type": "string", "maxLength": 12}
-REFUND = {"type": "object", "properties": {
-    "tool": {"enum": ["create_refund", "search_orders"]},
-    "arguments": {"type": "object", "properties": {"order_id": ID, "customer_id": ID},
-                  "required": ["order_id", "customer_id"], "additionalProperties": False}},
-    "required": ["tool", "arguments"], "additionalProperties": False}
+REFUND = {
+    "type": "object",
+    "properties": {
+        "tool": {"enum": ["create_refund", "search_orders"]},
+        "arguments": {
+            "type": "object",
+            "properties": {"order_id": ID, "customer_id": ID},
+            "required": ["order_id", "customer_id"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["tool", "arguments"],
+    "additionalProperties": False,
+}
 
 
-def _check(real_engine, exactness, name: str, sampling: SamplingParams, new: int = 64,
-           spec: str = "snapkv:ratio=0.125"):
+def _check(
+    real_engine, exactness, name: str, sampling: SamplingParams, new: int = 64, spec: str = "snapkv:ratio=0.125"
+):
     constraint = real_engine.constraint(FORMAT)
     pre = real_engine.prefill(real_engine.encode((PROMPTS / f"{name}.txt").read_text()), reuse_prefix=False)
     cfg = real_engine.config(max_new_tokens=new, horizon=16, keep_logits=True, constraint=constraint, sampling=sampling)
@@ -50,14 +63,16 @@ def _check(real_engine, exactness, name: str, sampling: SamplingParams, new: int
 
 
 # greedy: the same schema on the same prompt through the openai client, below
-@pytest.mark.parametrize("sampling", [pytest.param(SamplingParams(), marks=pytest.mark.slow), SAMPLED],
-                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [pytest.param(SamplingParams(), marks=pytest.mark.slow), SAMPLED], ids=["greedy", "sampled"]
+)
 def test_a_json_schema_on_the_prose_prompt_is_full_kv_constrained_decoding(real_engine, exactness, sampling):
     _check(real_engine, exactness, "prose", sampling)
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), pytest.param(SAMPLED, marks=pytest.mark.slow)],
-                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), pytest.param(SAMPLED, marks=pytest.mark.slow)], ids=["greedy", "sampled"]
+)
 def test_prompt_lookup_chains_under_a_grammar_are_full_kv_constrained_decoding(real_engine, exactness, sampling):
     """Lookup chains stop where the grammar forbids a token; the masks drafting used are the
     verification's. The tools prompt's calls recur, so chains are drafted."""
@@ -82,10 +97,12 @@ def test_a_json_schema_on_every_real_prompt(real_engine, exactness, name, sampli
 
 
 def test_formats_that_cannot_be_compiled_say_why(real_engine):
-    for bad, message in [({"type": "json_schema", "json_schema": {}}, "schema must be a JSON Schema object"),
-                         ({"type": "xml"}, "not one of json_object, json_schema, regex, ebnf"),
-                         ({"type": "regex", "regex": "("}, "response_format: "),
-                         ({"type": "ebnf", "ebnf": "root ::= "}, "response_format: ")]:
+    for bad, message in [
+        ({"type": "json_schema", "json_schema": {}}, "schema must be a JSON Schema object"),
+        ({"type": "xml"}, "not one of json_object, json_schema, regex, ebnf"),
+        ({"type": "regex", "regex": "("}, "response_format: "),
+        ({"type": "ebnf", "ebnf": "root ::= "}, "response_format: "),
+    ]:
         with pytest.raises(ConstraintError, match=message):
             real_engine.constraint(bad)
 
@@ -93,10 +110,13 @@ def test_formats_that_cannot_be_compiled_say_why(real_engine):
 def test_the_compiled_grammar_cache_is_bounded(real_engine):
     """A server compiles every client's schema: its cache keeps what fits its limit, least recently
     used out first, instead of every distinct schema for the life of the process."""
+
     def schema(i: int) -> dict:
         props = {f"field_{i}_{j}": {"type": "string", "maxLength": 8 + j} for j in range(4)}
-        return {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": props,
-                                                                   "required": list(props)}}}
+        return {
+            "type": "json_schema",
+            "json_schema": {"schema": {"type": "object", "properties": props, "required": list(props)}},
+        }
 
     vocab = real_engine.runner.vocab_size
     unbounded = ConstraintCompiler(real_engine.tokenizer, vocab)
@@ -123,12 +143,17 @@ def server(real_engine):
     from vericache_sglang.serve.openai_api import create_app
     from vericache_sglang.serve.service import EngineService, Limits
 
-    service = EngineService(real_engine, "snapkv:ratio=0.125", horizon=16,
-                            limits=Limits(max_prompt_tokens=4096, max_new_tokens=256, max_concurrency=4))
+    service = EngineService(
+        real_engine,
+        "snapkv:ratio=0.125",
+        horizon=16,
+        limits=Limits(max_prompt_tokens=4096, max_new_tokens=256, max_concurrency=4),
+    )
     service.start()
     port = free_port()
-    web = uvicorn.Server(uvicorn.Config(create_app(service, "smollm2"), host="127.0.0.1", port=port,
-                                        log_level="warning"))
+    web = uvicorn.Server(
+        uvicorn.Config(create_app(service, "smollm2"), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=web.run, daemon=True)
     thread.start()
     while not web.started:
@@ -140,42 +165,62 @@ def server(real_engine):
 
 
 # seeded sampling under a schema in the default set: the tool call below and the prose schema above
-@pytest.mark.parametrize("params", [
-    {"temperature": 0}, pytest.param({"temperature": 0.8, "top_p": 0.95, "seed": 7}, marks=pytest.mark.slow)],
-    ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 0}, pytest.param({"temperature": 0.8, "top_p": 0.95, "seed": 7}, marks=pytest.mark.slow)],
+    ids=["greedy", "sampled"],
+)
 def test_response_format_through_the_openai_client(server, exactness, params):
     from openai import OpenAI
 
     client = OpenAI(base_url=server, api_key="none", max_retries=0, timeout=600)
     refund = {"type": "json_schema", "json_schema": {"name": "refund", "schema": REFUND}}
     r = client.chat.completions.create(
-        model="smollm2", max_tokens=96, response_format=refund, extra_body={"vericache": {"check": True}},
+        model="smollm2",
+        max_tokens=96,
+        response_format=refund,
+        extra_body={"vericache": {"check": True}},
         messages=[{"role": "user", "content": "Call the tool that refunds order O-1 for customer C-9, as JSON."}],
-        **params)
+        **params,
+    )
     check = r.model_extra["vericache"]["check"]
     exactness(f"SmolLM2 server response_format {'greedy' if params['temperature'] == 0 else 'T=0.8'}", check)
     assert check["identical"], check
     assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     jsonschema.validate(json.loads(r.choices[0].message.content), REFUND)
-    r = client.chat.completions.create(model="smollm2", max_tokens=64, response_format={"type": "json_object"},
-                                       messages=[{"role": "user", "content": "Three colours as JSON."}], **params)
+    r = client.chat.completions.create(
+        model="smollm2",
+        max_tokens=64,
+        response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Three colours as JSON."}],
+        **params,
+    )
     if r.choices[0].finish_reason == "stop":
         json.loads(r.choices[0].message.content)  # any JSON
 
 
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
-        "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                           "parameters": CITY}},
-         {"type": "function", "function": {"name": "get_time", "description": "Current time in a city",
-                                           "parameters": CITY}}]
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": CITY},
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "Current time in a city", "parameters": CITY}},
+]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 # greedy under a grammar through the client in the default set: the response_format case above
-@pytest.mark.parametrize("params", [
-    pytest.param({"temperature": 0}, marks=pytest.mark.slow), {"temperature": 0.8, "top_p": 0.95, "seed": 7}],
-    ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "params",
+    [pytest.param({"temperature": 0}, marks=pytest.mark.slow), {"temperature": 0.8, "top_p": 0.95, "seed": 7}],
+    ids=["greedy", "sampled"],
+)
 def test_a_required_tool_call_is_full_kv_decodings_and_parses_into_tool_calls(server, exactness, params):
     """tool_choice "required" constrains the answer to SmolLM2's call list (the grammar of the
     tools' parameters); the answer is parsed into OpenAI tool_calls whose arguments fit them."""
@@ -183,8 +228,15 @@ def test_a_required_tool_call_is_full_kv_decodings_and_parses_into_tool_calls(se
 
     client = OpenAI(base_url=server, api_key="none", max_retries=0, timeout=600)
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
-        r = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=choice,
-                                           max_tokens=80, extra_body={"vericache": {"check": True}}, **params)
+        r = client.chat.completions.create(
+            model="smollm2",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=80,
+            extra_body={"vericache": {"check": True}},
+            **params,
+        )
         check = r.model_extra["vericache"]["check"]
         label = "greedy" if params["temperature"] == 0 else "T=0.8"
         exactness(f"SmolLM2 server tool call {choice if isinstance(choice, str) else 'named'} {label}", check)
@@ -202,19 +254,31 @@ def test_a_conversation_with_a_tool_turn_answers(server):
     from openai import OpenAI
 
     client = OpenAI(base_url=server, api_key="none", max_retries=0, timeout=600)
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
-    r = client.chat.completions.create(model="smollm2", tools=TOOLS, max_tokens=40, temperature=0, messages=[
-        *ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temperature_c": 18, "sky": "clear"})}])
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+    }
+    r = client.chat.completions.create(
+        model="smollm2",
+        tools=TOOLS,
+        max_tokens=40,
+        temperature=0,
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temperature_c": 18, "sky": "clear"})},
+        ],
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content
 
 
 def test_a_model_without_a_known_tool_format_is_refused():
     from vericache_sglang.serve.tools import ToolError, required_function, tool_format
 
-    assert tool_format("{% for m in messages %}You are a helpful AI assistant named SmolLM{% endfor %}").name == \
-        "smollm2"
+    assert (
+        tool_format("{% for m in messages %}You are a helpful AI assistant named SmolLM{% endfor %}").name == "smollm2"
+    )
     with pytest.raises(ToolError, match="no tool-call format this server knows"):
         tool_format("{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}")
     with pytest.raises(ToolError, match="not among the tools"):

@@ -37,10 +37,16 @@ def _sglang_greedy(seed: int, draft: list[int], target: torch.Tensor) -> tuple[i
     predicts = torch.zeros(n, dtype=torch.int32)
     accept_index = torch.full((1, n), -1, dtype=torch.int32)
     accept_num = torch.zeros(1, dtype=torch.int32)
-    verify_tree_greedy_triton(predicts=predicts, accept_index=accept_index, accept_token_num=accept_num,
-                              candidates=candidates, retrieve_index=retrieve_index,
-                              retrieve_next_token=retrieve_next_token, retrieve_next_sibling=retrieve_next_sibling,
-                              target_predict=target[None].to(torch.int64))
+    verify_tree_greedy_triton(
+        predicts=predicts,
+        accept_index=accept_index,
+        accept_token_num=accept_num,
+        candidates=candidates,
+        retrieve_index=retrieve_index,
+        retrieve_next_token=retrieve_next_token,
+        retrieve_next_sibling=retrieve_next_sibling,
+        target_predict=target[None].to(torch.int64),
+    )
     accepted = int(accept_num[0])
     committed = [int(predicts[int(i)]) for i in accept_index[0, : accepted + 1]]
     return accepted, committed
@@ -70,7 +76,7 @@ def test_core_greedy_accept_equals_sglang_verification(model_and_prompt, wrong_a
     if wrong_at is not None:
         draft[wrong_at] = (draft[wrong_at] + 17) % model.config.vocab_size
     with torch.no_grad():  # one verify pass over the full context: seed and drafts
-        logits = model(torch.tensor([[*tokens, seed, *draft]])).logits[0, len(tokens):]
+        logits = model(torch.tensor([[*tokens, seed, *draft]])).logits[0, len(tokens) :]
     target = logits.argmax(-1)  # the verifier's token after the seed and after each draft
     ours = greedy_accept(draft, target.tolist())
     accepted, committed = _sglang_greedy(seed, draft, target)

@@ -44,20 +44,24 @@ def _pointers(buffers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return ptrs, strides
 
 
-@pytest.mark.parametrize("moves", [
-    ([3, 4], [0, 1]),  # plain moves
-    ([1, 2, 3], [0, 1, 2]),  # overlapping: each row is a source and, later, a target
-    ([0, 1, 2], [1, 2, 3]),  # overlapping the other way (a naive in-order copy would smear row 0)
-    ([5, 5], [6, 7]),  # one source, two targets
-    ([], []),
-])
+@pytest.mark.parametrize(
+    "moves",
+    [
+        ([3, 4], [0, 1]),  # plain moves
+        ([1, 2, 3], [0, 1, 2]),  # overlapping: each row is a source and, later, a target
+        ([0, 1, 2], [1, 2, 3]),  # overlapping the other way (a naive in-order copy would smear row 0)
+        ([5, 5], [6, 7]),  # one source, two targets
+        ([], []),
+    ],
+)
 def test_copy_all_layer_kv_cache_moves_rows_reading_every_source_first(moves):
     tgt, src = moves
     buffers = _buffers(8, [(3, 4), (3, 4), (2, 6)], [torch.float32, torch.float32, torch.bfloat16])
     before = [b.clone() for b in buffers]
     ptrs, strides = _pointers(buffers)
-    cpu_kernels.copy_all_layer_kv_cache_cpu(ptrs, strides, torch.tensor(tgt, dtype=torch.int64),
-                                            torch.tensor(src, dtype=torch.int64))
+    cpu_kernels.copy_all_layer_kv_cache_cpu(
+        ptrs, strides, torch.tensor(tgt, dtype=torch.int64), torch.tensor(src, dtype=torch.int64)
+    )
     for b, old in zip(buffers, before, strict=True):
         expected = old.clone()
         for t, s in zip(tgt, src, strict=True):
@@ -84,8 +88,9 @@ def test_assign_req_to_token_pool_writes_each_requests_slots_in_order():
     expected[0, 0:4] = torch.tensor([102, 103, 104, 105])
     assert torch.equal(req_to_token, expected)
     with pytest.raises(ValueError, match="positions"):
-        cpu_kernels.assign_req_to_token_pool_cpu(torch.tensor([0]), req_to_token, torch.tensor([8]),
-                                                 torch.tensor([11]), out, 10)
+        cpu_kernels.assign_req_to_token_pool_cpu(
+            torch.tensor([0]), req_to_token, torch.tensor([8]), torch.tensor([11]), out, 10
+        )
 
 
 def test_import_only_names_raise_naming_the_op():
@@ -99,7 +104,8 @@ def test_import_only_names_raise_naming_the_op():
 def test_sglang_pool_moves_kv_through_the_op():
     """SGLang's own pool code (``MHATokenToKVPool.move_kv_cache``) on the stand-in op."""
     pytest.importorskip("sglang.srt.mem_cache.memory_pool")
-    result = _python(textwrap.dedent("""
+    result = _python(
+        textwrap.dedent("""
         import torch
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         pool = MHATokenToKVPool(size=16, page_size=1, dtype=torch.float32, head_num=2, head_dim=4, layer_num=3,
@@ -114,7 +120,9 @@ def test_sglang_pool_moves_kv_through_the_op():
         from vericache_sglang.sglang.cpu.platform import is_stand_in
         assert is_stand_in(sgl_kernel)
         print("ok")
-        """), _env(SGLANG_USE_CPU_ENGINE="1"))
+        """),
+        _env(SGLANG_USE_CPU_ENGINE="1"),
+    )
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
@@ -122,8 +130,11 @@ def test_sglang_pool_moves_kv_through_the_op():
 
 
 def test_the_pth_line_is_installed_in_site_packages():
-    found = [Path(d) / "vericache_sglang_cpu.pth" for d in site.getsitepackages()
-             if (Path(d) / "vericache_sglang_cpu.pth").exists()]
+    found = [
+        Path(d) / "vericache_sglang_cpu.pth"
+        for d in site.getsitepackages()
+        if (Path(d) / "vericache_sglang_cpu.pth").exists()
+    ]
     assert found, "vericache_sglang_cpu.pth is missing: reinstall the project (scripts/setup.sh)"
     line = found[0].read_text()
     assert line.startswith("import ") and "SGLANG_USE_CPU_ENGINE" in line and "sglang.cpu.platform" in line
@@ -144,8 +155,11 @@ def test_a_real_sgl_kernel_is_never_shadowed(tmp_path):
     real.mkdir()
     (real / "__init__.py").write_text("REAL = True\n")
     env = _env(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=str(tmp_path))
-    result = _python("import sgl_kernel; from vericache_sglang.sglang.cpu.platform import is_stand_in;"
-                     "print(sgl_kernel.REAL, is_stand_in(sgl_kernel))", env)
+    result = _python(
+        "import sgl_kernel; from vericache_sglang.sglang.cpu.platform import is_stand_in;"
+        "print(sgl_kernel.REAL, is_stand_in(sgl_kernel))",
+        env,
+    )
     assert result.returncode == 0 and result.stdout.split() == ["True", "False"], result.stderr[-2000:]
 
 

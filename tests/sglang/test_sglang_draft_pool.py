@@ -31,8 +31,16 @@ def prefills(real_engine):
 
 
 def _pool(layout, spec: str, capacity: int = 8192) -> CompressedDraftPool:
-    return CompressedDraftPool(layout=layout, capacity_tokens=capacity, max_requests=4, max_context_len=4096,
-                               horizon=HORIZON, compressor=parse_spec(spec), device="cpu", inner_backend="torch_native")
+    return CompressedDraftPool(
+        layout=layout,
+        capacity_tokens=capacity,
+        max_requests=4,
+        max_context_len=4096,
+        horizon=HORIZON,
+        compressor=parse_spec(spec),
+        device="cpu",
+        inner_backend="torch_native",
+    )
 
 
 def _row_kv(pool: CompressedDraftPool, rid: str):
@@ -100,9 +108,16 @@ def test_commit_with_refresh_rechooses_the_rows_the_core_would(real_engine, pref
     kept = pool.kept_len("r1")
 
     total = len(pre_more.tokens)
-    target = MHATokenToKVPool(size=total + 8, page_size=1, dtype=layout.dtype, head_num=layout.num_kv_heads,
-                              head_dim=layout.head_dim, layer_num=layout.num_layers, device="cpu",
-                              enable_memory_saver=False)
+    target = MHATokenToKVPool(
+        size=total + 8,
+        page_size=1,
+        dtype=layout.dtype,
+        head_num=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        layer_num=layout.num_layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     slots = torch.randperm(total + 8)[:total] + 1  # a request's slots are anywhere in the pool
     write_full_kv(target, slots, pre_more.kv)
     n = total - len(tokens)

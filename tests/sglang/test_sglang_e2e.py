@@ -32,15 +32,20 @@ def test_stock_sglang_decodes_as_the_projects_full_kv_decoding(stock_server, rea
     text = prompt("prose")
     tokens = real_engine.encode(text)
     assert len(tokens) >= 1000
-    ref = real_engine.generate(real_engine.prefill(tokens, reuse_prefix=False), "full",
-                               cfg=real_engine.config(max_new_tokens=16, keep_logits=True))
+    ref = real_engine.generate(
+        real_engine.prefill(tokens, reuse_prefix=False),
+        "full",
+        cfg=real_engine.config(max_new_tokens=16, keep_logits=True),
+    )
     out = ask(stock_server, Ask(text, "chat", max_tokens=16, params={"logprobs": True}))
     assert out.text == ref.text
     engine_logprobs = [float(lg.float().log_softmax(-1)[t]) for lg, t in zip(ref.logits, ref.tokens, strict=True)]
     n = min(len(engine_logprobs), len(out.logprobs))
     diff = max(abs(a - b) for a, b in zip(engine_logprobs[:n], out.logprobs[:n], strict=True))
-    exactness("stock sglang vs engine full-KV (prose, chat)", {"identical": True, "compared_tokens": n,
-                                                               "max_logprob_abs_diff": diff})
+    exactness(
+        "stock sglang vs engine full-KV (prose, chat)",
+        {"identical": True, "compared_tokens": n, "max_logprob_abs_diff": diff},
+    )
     assert diff < 1e-3
 
 
@@ -73,15 +78,16 @@ def test_eight_concurrent_requests_some_stopping_early(stock_server, vericache, 
     assert len(early) >= 2  # stop strings and EOS ended some before their budget
 
 
-def test_a_shared_document_prefix_is_cached_and_drafted_from_its_compressed_copy(stock_server, vericache,
-                                                                                  exactness):
+def test_a_shared_document_prefix_is_cached_and_drafted_from_its_compressed_copy(stock_server, vericache, exactness):
     """RadixAttention: requests whose prompts share a 1,200-token document. SGLang reports the
     cached prefix for the later ones; the first of them makes the prefix's compressed copy, the next
     drafts over it; every answer is stock SGLang's."""
     document = prompt("prose", 1200)
-    questions = [Ask("What is a block?", "chat", max_tokens=16, system=document),
-                 Ask("What does the global statement change?", "chat", max_tokens=16, system=document),
-                 Ask("How is a name resolved?", "chat", max_tokens=16, system=document)]
+    questions = [
+        Ask("What is a block?", "chat", max_tokens=16, system=document),
+        Ask("What does the global statement change?", "chat", max_tokens=16, system=document),
+        Ask("How is a name resolved?", "chat", max_tokens=16, system=document),
+    ]
     before = vericache.metrics()
     for i, q in enumerate(questions):
         ref, out = ask(stock_server, q), ask(vericache, q)
@@ -95,17 +101,27 @@ def test_a_shared_document_prefix_is_cached_and_drafted_from_its_compressed_copy
     assert metric_growth(after, before, "vericache_prefix_copy_hits_total") >= 1
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "languages": {"type": "array", "items": {"type": "string", "maxLength": 16},
-                                                         "maxItems": 3}},
-          "required": ["name", "age", "languages"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "languages": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
 
 
 def test_a_json_schema_and_a_frequency_penalty_in_a_batch_with_plain_requests(stock_server, vericache, exactness):
     schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     questions = [
-        Ask("Describe Ada Lovelace as a JSON object with her name, age and languages.", "chat", max_tokens=160,
-            params={"response_format": schema_format}),
+        Ask(
+            "Describe Ada Lovelace as a JSON object with her name, age and languages.",
+            "chat",
+            max_tokens=160,
+            params={"response_format": schema_format},
+        ),
         Ask(prompt("prose"), "completion", max_tokens=24, params={"frequency_penalty": 0.8}),
         Ask("def fibonacci(n):", "completion", max_tokens=24),
         Ask(prompt("code"), "chat", max_tokens=16),
@@ -117,11 +133,16 @@ def test_a_json_schema_and_a_frequency_penalty_in_a_batch_with_plain_requests(st
     assert vericache.metrics()["vericache_verify_passes_total"] > before["vericache_verify_passes_total"]
 
 
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
-        "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": name, "description": f"Current {what} in a city",
-                                           "parameters": CITY}}
-         for name, what in (("get_weather", "weather"), ("get_time", "time"))]
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": name, "description": f"Current {what} in a city", "parameters": CITY}}
+    for name, what in (("get_weather", "weather"), ("get_time", "time"))
+]
 
 
 NAMED = {"type": "function", "function": {"name": "get_time"}}
@@ -132,21 +153,29 @@ def test_tool_calls_through_sglangs_own_grammar_and_parser_are_stocks(stock_serv
     """SGLang turns tool_choice "required" or a named function into a grammar (the worker masks
     drafts and verification with it) and parses the answer with its own tool-call parser: the
     VeriCache server's tool calls are stock SGLang's."""
+
     def call(server):
         r = server.client().chat.completions.create(
-            model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-            tools=TOOLS, tool_choice=choice, max_tokens=48, temperature=0)
+            model="default",
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=48,
+            temperature=0,
+        )
         message = r.choices[0].message
-        return (r.choices[0].finish_reason, message.content,
-                [(t.function.name, t.function.arguments) for t in message.tool_calls or []])
+        return (
+            r.choices[0].finish_reason,
+            message.content,
+            [(t.function.name, t.function.arguments) for t in message.tool_calls or []],
+        )
 
     expected, got = call(stock_server), call(vericache)
     assert got == expected
     assert got[2]  # a tool call was made and parsed
 
 
-def test_seeded_sampling_is_the_same_across_runs_and_batches_and_is_full_kv_sampling(vericache, real_engine,
-                                                                                      exactness):
+def test_seeded_sampling_is_the_same_across_runs_and_batches_and_is_full_kv_sampling(vericache, real_engine, exactness):
     """The core's position-keyed sampler draws every token, so a seeded request's text depends on
     nothing but its seed and its logits: not on the run, not on its batch, and it is what the
     project's full-KV decoding samples with the same seed."""
@@ -156,17 +185,27 @@ def test_seeded_sampling_is_the_same_across_runs_and_batches_and_is_full_kv_samp
     params = {"temperature": 0.8, "top_p": 0.95, "seed": 11}
     q = Ask(text, "chat", max_tokens=24, params=params)
     alone = ask(vericache, q).text
-    batched = ask_all(vericache, [q, Ask(prompt("code"), "completion", max_tokens=16),
-                                  Ask("Name a colour.", "chat", max_tokens=16, params={"temperature": 0.7, "seed": 3})])
+    batched = ask_all(
+        vericache,
+        [
+            q,
+            Ask(prompt("code"), "completion", max_tokens=16),
+            Ask("Name a colour.", "chat", max_tokens=16, params={"temperature": 0.7, "seed": 3}),
+        ],
+    )
     assert alone == batched[0].text  # a second run, in a batch
     tokens = real_engine.encode(text)
-    ref = real_engine.generate(real_engine.prefill(tokens, reuse_prefix=False), "full", cfg=real_engine.config(
-        max_new_tokens=24, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=11)))
+    ref = real_engine.generate(
+        real_engine.prefill(tokens, reuse_prefix=False),
+        "full",
+        cfg=real_engine.config(max_new_tokens=24, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=11)),
+    )
     out = vericache.generate(tokens, {"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.95, "sampling_seed": 11})
     got = [t for t in out["output_ids"] if t not in real_engine.eos_token_ids]
     want = [t for t in ref.tokens if t not in real_engine.eos_token_ids]
-    exactness("sglang seeded sampling vs engine full-KV sampling", {"identical": got == want,
-                                                                    "compared_tokens": len(want)})
+    exactness(
+        "sglang seeded sampling vs engine full-KV sampling", {"identical": got == want, "compared_tokens": len(want)}
+    )
     assert got == want
     assert ref.text == alone
 
@@ -175,8 +214,13 @@ def test_sglangs_metrics_carry_the_vericache_series_from_real_steps(vericache):
     """After this module's requests: the series are SGLang's /metrics', and they show what the
     server's configuration does (the drafting modifiers, the store's writes)."""
     m = vericache.metrics()
-    for name in ("vericache_verify_passes_total", "vericache_generated_tokens_total", "vericache_drafted_tokens_total",
-                 "vericache_accepted_length_count", "vericache_step_seconds_count"):
+    for name in (
+        "vericache_verify_passes_total",
+        "vericache_generated_tokens_total",
+        "vericache_drafted_tokens_total",
+        "vericache_accepted_length_count",
+        "vericache_step_seconds_count",
+    ):
         assert m.get(name, 0) > 0, name
     assert m["vericache_compressed_kv_bytes"] >= 0
     assert "sglang:num_running_reqs" in m  # served by SGLang's own /metrics, next to its series

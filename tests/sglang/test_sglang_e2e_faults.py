@@ -27,24 +27,50 @@ from vericache_sglang.bench.sglang_server import (
 pytestmark = [pytest.mark.sglang]
 
 BAD = [
-    ("unknown compressor", ["--enable-vericache", "--vericache-config", json.dumps({"compressor": "zipper"})],
-     "unknown compressor 'zipper'"),
-    ("horizon 0", ["--enable-vericache", "--vericache-config", json.dumps({"horizon": 0})],
-     "horizon must be in [1, 64], got 0"),
-    ("EAGLE with VeriCache", ["--enable-vericache", "--speculative-algorithm", "EAGLE"],
-     "--enable-vericache sets --speculative-algorithm 'VERICACHE', but --speculative-algorithm 'EAGLE' was given"),
-    ("a quantizing compressor", ["--enable-vericache", "--vericache-config", json.dumps({"compressor": "kivi:bits=2"})],
-     "is a quantization compressor; the SGLang worker drafts over a token-dropping compressed pool only"),
-    ("an attention backend VeriCache cannot verify with",
-     ["--enable-vericache", "--prefill-attention-backend", "torch_native",
-      "--decode-attention-backend", "flex_attention"],
-     "VeriCache needs one attention backend"),
+    (
+        "unknown compressor",
+        ["--enable-vericache", "--vericache-config", json.dumps({"compressor": "zipper"})],
+        "unknown compressor 'zipper'",
+    ),
+    (
+        "horizon 0",
+        ["--enable-vericache", "--vericache-config", json.dumps({"horizon": 0})],
+        "horizon must be in [1, 64], got 0",
+    ),
+    (
+        "EAGLE with VeriCache",
+        ["--enable-vericache", "--speculative-algorithm", "EAGLE"],
+        "--enable-vericache sets --speculative-algorithm 'VERICACHE', but --speculative-algorithm 'EAGLE' was given",
+    ),
+    (
+        "a quantizing compressor",
+        ["--enable-vericache", "--vericache-config", json.dumps({"compressor": "kivi:bits=2"})],
+        "is a quantization compressor; the SGLang worker drafts over a token-dropping compressed pool only",
+    ),
+    (
+        "an attention backend VeriCache cannot verify with",
+        [
+            "--enable-vericache",
+            "--prefill-attention-backend",
+            "torch_native",
+            "--decode-attention-backend",
+            "flex_attention",
+        ],
+        "VeriCache needs one attention backend",
+    ),
 ]
 
 
 def _launch(args: list[str]) -> tuple[int, str, bool]:
-    proc = subprocess.Popen(launch_command(free_port(), *args), cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        launch_command(free_port(), *args),
+        cwd=REPO,
+        env=cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -57,9 +83,13 @@ def _launch(args: list[str]) -> tuple[int, str, bool]:
 
 # Through the launcher: one case in the default set (each message is checked in process for every
 # case, tests/sglang/test_sglang_plugin.py), all of them in the heavy set.
-@pytest.mark.parametrize("case", [pytest.param(case, id=case[0].replace(" ", "-"),
-                                               marks=() if i == 0 else pytest.mark.slow)
-                                  for i, case in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(case, id=case[0].replace(" ", "-"), marks=() if i == 0 else pytest.mark.slow)
+        for i, case in enumerate(BAD)
+    ],
+)
 def test_bad_configurations_fail_the_launch_fast_saying_why_and_leave_nothing_behind(case):
     what, args, message = case
     started = time.monotonic()
@@ -72,8 +102,7 @@ def test_bad_configurations_fail_the_launch_fast_saying_why_and_leave_nothing_be
 
 @pytest.mark.real_model
 @pytest.mark.slow
-def test_a_store_that_dies_mid_generation_never_costs_a_verified_token(stock_server, sglang_logs, tmp_path,
-                                                                       exactness):
+def test_a_store_that_dies_mid_generation_never_costs_a_verified_token(stock_server, sglang_logs, tmp_path, exactness):
     """``full_kv: "store"`` keeps the device copy authoritative: killed mid-stream, the store's
     writes fail and are counted, every token streamed is still stock SGLang's, and the server
     serves correctly after the store returns (empty) and writes to it again."""
@@ -85,8 +114,9 @@ def test_a_store_that_dies_mid_generation_never_costs_a_verified_token(stock_ser
         expected = ask(stock_server, q)
         client = server.client()
         text, killed = "", False
-        for chunk in client.completions.create(model="default", prompt=q.prompt, max_tokens=q.max_tokens, stream=True,
-                                               temperature=0.0):
+        for chunk in client.completions.create(
+            model="default", prompt=q.prompt, max_tokens=q.max_tokens, stream=True, temperature=0.0
+        ):
             text += chunk.choices[0].text
             if not killed and len(text) > 40:
                 store.kill()
@@ -114,15 +144,21 @@ def test_retracted_and_aborted_requests_leave_the_others_exact(stock_server, sgl
     scratch): its own test switch (``SGLANG_TEST_RETRACT``) makes it retract every few steps here. A
     client that walks away mid-stream aborts its request. Every answer that completes is stock
     SGLang's, and the server keeps serving."""
-    server = SGLangServer(sglang_logs, "snapkv-retracting",
-                          vericache={"compressor": "snapkv:ratio=0.125", "horizon": 8},
-                          env={"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "7"})
+    server = SGLangServer(
+        sglang_logs,
+        "snapkv-retracting",
+        vericache={"compressor": "snapkv:ratio=0.125", "horizon": 8},
+        env={"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "7"},
+    )
     try:
-        load = [Ask(prompt(name, 1000), kind, max_tokens=96) for name, kind in (
-            ("prose", "completion"), ("code", "completion"), ("tools", "completion"))]
+        load = [
+            Ask(prompt(name, 1000), kind, max_tokens=96)
+            for name, kind in (("prose", "completion"), ("code", "completion"), ("tools", "completion"))
+        ]
         client = server.client()
-        stream = client.completions.create(model="default", prompt=prompt("prose", 1400), max_tokens=200,
-                                           stream=True, temperature=0.0)
+        stream = client.completions.create(
+            model="default", prompt=prompt("prose", 1400), max_tokens=200, stream=True, temperature=0.0
+        )
         for i, _ in enumerate(stream):
             if i == 5:
                 stream.close()  # the client leaves: SGLang aborts the request

@@ -30,8 +30,10 @@ def _config(compressor: str, full_kv: str, store: str | None = None) -> dict:
 
 
 def _questions() -> list[Ask]:
-    return [Ask(prompt("prose"), "completion", max_tokens=32, params={"logprobs": 1}),
-            Ask(prompt("code"), "chat", stream=True, max_tokens=24)]
+    return [
+        Ask(prompt("prose"), "completion", max_tokens=32, params={"logprobs": 1}),
+        Ask(prompt("code"), "chat", stream=True, max_tokens=24),
+    ]
 
 
 def _check_identical(stock, server, exactness, name):
@@ -50,17 +52,19 @@ def _mode_evidence(server, full_kv):
     assert m["vericache_store_errors_total"] == 0
 
 
-@pytest.mark.parametrize(("compressor", "full_kv", "store"), [
-    pytest.param(STREAMING, "store", "grpc", id="streamingllm-store-grpc", marks=pytest.mark.slow),
-    pytest.param(SNAPKV, "host", None, id="snapkv-host"),
-    pytest.param(STREAMING, "device", None, id="streamingllm-device", marks=pytest.mark.slow),
-    pytest.param(SNAPKV, "store", "grpc", id="snapkv-store-grpc", marks=pytest.mark.slow),
-    pytest.param(SNAPKV, "store", "redis", id="snapkv-store-redis", marks=pytest.mark.slow),
-    pytest.param(STREAMING, "store", "redis", id="streamingllm-store-redis", marks=pytest.mark.slow),
-    pytest.param(STREAMING, "host", None, id="streamingllm-host", marks=pytest.mark.slow),
-])
-def test_each_full_kv_place_answers_as_stock(request, stock_server, sglang_logs, exactness, compressor, full_kv,
-                                             store):
+@pytest.mark.parametrize(
+    ("compressor", "full_kv", "store"),
+    [
+        pytest.param(STREAMING, "store", "grpc", id="streamingllm-store-grpc", marks=pytest.mark.slow),
+        pytest.param(SNAPKV, "host", None, id="snapkv-host"),
+        pytest.param(STREAMING, "device", None, id="streamingllm-device", marks=pytest.mark.slow),
+        pytest.param(SNAPKV, "store", "grpc", id="snapkv-store-grpc", marks=pytest.mark.slow),
+        pytest.param(SNAPKV, "store", "redis", id="snapkv-store-redis", marks=pytest.mark.slow),
+        pytest.param(STREAMING, "store", "redis", id="streamingllm-store-redis", marks=pytest.mark.slow),
+        pytest.param(STREAMING, "host", None, id="streamingllm-host", marks=pytest.mark.slow),
+    ],
+)
+def test_each_full_kv_place_answers_as_stock(request, stock_server, sglang_logs, exactness, compressor, full_kv, store):
     url = request.getfixturevalue({"grpc": "store_url", "redis": "redis_url"}[store]) if store else None
     name = f"{compressor.split(':')[0]}-{full_kv}{'-' + store if store else ''}"
     server = SGLangServer(sglang_logs, name, vericache=_config(compressor, full_kv, url))
@@ -78,15 +82,29 @@ def test_modifiers_with_the_full_kv_on_the_host(stock_server, sglang_logs, exact
     while the reload is lent to the verify pass, lookup's passes are the reload plan's iterations.
     Answers are stock's (a JSON schema among them), and the reloads, refreshes and lookup drafts
     happened."""
-    server = SGLangServer(sglang_logs, "vericache-modifiers-host", *SGLANG_TEST_FLAGS,
-                          vericache={**MODIFIERS, **_config(MODIFIERS["compressor"], "host")})
+    server = SGLangServer(
+        sglang_logs,
+        "vericache-modifiers-host",
+        *SGLANG_TEST_FLAGS,
+        vericache={**MODIFIERS, **_config(MODIFIERS["compressor"], "host")},
+    )
     try:
-        same_as_stock(stock_server, server, [
-            Ask(prompt("prose"), "completion", params={"logprobs": 1}),
-            Ask(COPY + prompt("code", 400), "chat", max_tokens=64),
-            Ask("Describe Ada Lovelace as a JSON object with her name and age.", "chat", max_tokens=48,
-                params={"response_format": PERSON_FORMAT}),
-        ], exactness, "refresh+lookup host")
+        same_as_stock(
+            stock_server,
+            server,
+            [
+                Ask(prompt("prose"), "completion", params={"logprobs": 1}),
+                Ask(COPY + prompt("code", 400), "chat", max_tokens=64),
+                Ask(
+                    "Describe Ada Lovelace as a JSON object with her name and age.",
+                    "chat",
+                    max_tokens=48,
+                    params={"response_format": PERSON_FORMAT},
+                ),
+            ],
+            exactness,
+            "refresh+lookup host",
+        )
         _mode_evidence(server, "host")  # written to the host pool, reloaded for verifications
         m = server.metrics()
         assert 0 < m["vericache_refreshes_total"] <= m["vericache_verify_passes_total"]
@@ -101,8 +119,11 @@ def test_host_mode_holds_fewer_tokens_on_the_device_than_stock(stock_server, sgl
     """Six 2,000-token requests at once: stock SGLang holds all their KV on the device; with
     ``full_kv: "host"`` the device holds the reload room, what is being prefilled and the
     compressed copies are elsewhere (the worker's own pool)."""
-    load = [Ask(prompt(name, 2000), kind, max_tokens=24) for name in ("prose", "code", "tools")
-            for kind in ("completion", "chat")]
+    load = [
+        Ask(prompt(name, 2000), kind, max_tokens=24)
+        for name in ("prose", "code", "tools")
+        for kind in ("completion", "chat")
+    ]
     server = SGLangServer(sglang_logs, "snapkv-host-peak", vericache=_config(SNAPKV, "host"))
     try:
         stock, host = run_load(stock_server, load), run_load(server, load)

@@ -29,12 +29,18 @@ def refreshing(vericache_server):
 def test_lookup_chains_under_a_json_schema(stock_server, refreshing, exactness):
     """The object to write is in the prompt, with a property the schema forbids: the lookup window
     walks the grammar (chains stop before a forbidden token) and the answer is stock's."""
-    text = ('Here is a record: {"name": "Ada Lovelace", "age": 36, "city": "London"}\n'
-            "Write it as a JSON object with only her name and age.")
+    text = (
+        'Here is a record: {"name": "Ada Lovelace", "age": 36, "city": "London"}\n'
+        "Write it as a JSON object with only her name and age."
+    )
     before = refreshing.metrics()
-    _, got = same_as_stock(stock_server, refreshing, [Ask(text, "chat", max_tokens=48,
-                                                          params={"response_format": PERSON_FORMAT})],
-                           exactness, "refresh+lookup json schema, lookup under the grammar")
+    _, got = same_as_stock(
+        stock_server,
+        refreshing,
+        [Ask(text, "chat", max_tokens=48, params={"response_format": PERSON_FORMAT})],
+        exactness,
+        "refresh+lookup json schema, lookup under the grammar",
+    )
     assert json.loads(got[0].text) == {"name": "Ada Lovelace", "age": 36}, got[0].text
     assert metric_growth(refreshing.metrics(), before, "vericache_lookup_drafted_tokens_total") > 0
 
@@ -45,13 +51,18 @@ def test_refresh_with_seeded_sampling_is_full_kv_sampling(refreshing, real_engin
 
     text = "Write a short story about a lighthouse keeper who finds a message in a bottle."
     tokens = real_engine.encode(text)
-    ref = real_engine.generate(real_engine.prefill(tokens, reuse_prefix=False), "full", cfg=real_engine.config(
-        max_new_tokens=48, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=11)))
+    ref = real_engine.generate(
+        real_engine.prefill(tokens, reuse_prefix=False),
+        "full",
+        cfg=real_engine.config(max_new_tokens=48, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=11)),
+    )
     out = refreshing.generate(tokens, {"max_new_tokens": 48, "temperature": 0.8, "top_p": 0.95, "sampling_seed": 11})
     got = [t for t in out["output_ids"] if t not in real_engine.eos_token_ids]
     want = [t for t in ref.tokens if t not in real_engine.eos_token_ids]
-    exactness("sglang refresh+lookup seeded sampling vs engine full-KV sampling",
-              {"identical": got == want, "compared_tokens": len(want)})
+    exactness(
+        "sglang refresh+lookup seeded sampling vs engine full-KV sampling",
+        {"identical": got == want, "compared_tokens": len(want)},
+    )
     assert got == want
 
 
@@ -64,16 +75,26 @@ def test_modifiers_under_rejection_sampling_with_the_store(stock_server, sglang_
     run of the same prompt drafts over the radix cache's compressed copy, so sampled text is not
     compared across runs; its distribution is the verifier's, ``tests/sglang/test_sglang_sampling.py``);
     the full KV also goes to the store."""
-    server = SGLangServer(sglang_logs, "vericache-modifiers-rejection", *SGLANG_TEST_FLAGS,
-                          vericache={**MODIFIERS, "verification": "rejection", "full_kv": "store"})
+    server = SGLangServer(
+        sglang_logs,
+        "vericache-modifiers-rejection",
+        *SGLANG_TEST_FLAGS,
+        vericache={**MODIFIERS, "verification": "rejection", "full_kv": "store"},
+    )
     try:
-        same_as_stock(stock_server, server, [Ask(COPY + prompt("code", 300), "completion", max_tokens=64),
-                                             Ask(prompt("prose"), "chat", max_tokens=32)],
-                      exactness, "refresh+lookup rejection")
-        sampled = Ask(COPY + prompt("code", 300), "chat", max_tokens=48,
-                      params={"temperature": 0.7, "top_p": 0.95, "seed": 5})
-        batched = ask_all(server, [sampled, Ask(prompt("tools"), "completion", max_tokens=24,
-                                                params={"temperature": 0.9, "seed": 2})])
+        same_as_stock(
+            stock_server,
+            server,
+            [Ask(COPY + prompt("code", 300), "completion", max_tokens=64), Ask(prompt("prose"), "chat", max_tokens=32)],
+            exactness,
+            "refresh+lookup rejection",
+        )
+        sampled = Ask(
+            COPY + prompt("code", 300), "chat", max_tokens=48, params={"temperature": 0.7, "top_p": 0.95, "seed": 5}
+        )
+        batched = ask_all(
+            server, [sampled, Ask(prompt("tools"), "completion", max_tokens=24, params={"temperature": 0.9, "seed": 2})]
+        )
         assert all(a.text and a.finish_reason in ("length", "stop") for a in batched)
         m = server.metrics()
         assert m["vericache_lookup_drafted_tokens_total"] > 0 and m["vericache_full_kv_written_bytes_total"] > 0

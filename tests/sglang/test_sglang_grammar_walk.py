@@ -54,9 +54,19 @@ def test_a_lookup_chain_under_a_json_schema(json_grammars):
         grammar.accept_token(t)
     index = NgramIndex(LookupParams())
     index.extend(committed)
-    window = DraftWindow(8, len(committed), committed[-1:], Sampler(SamplingParams()), False, [eos], vocab,
-                         forget=lambda n: None, lookup=LookupParams(), index=index,
-                         grammar=WindowGrammar(grammar, vocab, "cpu"))
+    window = DraftWindow(
+        8,
+        len(committed),
+        committed[-1:],
+        Sampler(SamplingParams()),
+        False,
+        [eos],
+        vocab,
+        forget=lambda n: None,
+        lookup=LookupParams(),
+        index=index,
+        grammar=WindowGrammar(grammar, vocab, "cpu"),
+    )
     while window.drafting:
         window.take(model(window.pending, window.position))
 

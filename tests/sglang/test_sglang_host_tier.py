@@ -29,10 +29,19 @@ from vericache_sglang.sglang.pool_kv import pool_layout, read_full_kv, write_ful
 LAYERS, HEADS, DIM = 4, 3, 16
 
 
-def _pool(size: int = 512, dtype: torch.dtype = torch.float32, layers: int = LAYERS, heads: int = HEADS,
-          dim: int = DIM) -> tuple[MHATokenToKVPool, TokenToKVPoolAllocator]:
-    pool = MHATokenToKVPool(size=size, page_size=1, dtype=dtype, head_num=heads, head_dim=dim, layer_num=layers,
-                            device="cpu", enable_memory_saver=False)
+def _pool(
+    size: int = 512, dtype: torch.dtype = torch.float32, layers: int = LAYERS, heads: int = HEADS, dim: int = DIM
+) -> tuple[MHATokenToKVPool, TokenToKVPoolAllocator]:
+    pool = MHATokenToKVPool(
+        size=size,
+        page_size=1,
+        dtype=dtype,
+        head_num=heads,
+        head_dim=dim,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     return pool, TokenToKVPoolAllocator(size=size, dtype=dtype, device="cpu", kvcache=pool, need_sort=False)
 
 
@@ -50,8 +59,10 @@ def _fill(pool: MHATokenToKVPool, slots: torch.Tensor, gen: torch.Generator) -> 
 
 def _read_waiting(pool: MHATokenToKVPool, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """What attention would read: through the pool's accessors that wait on the layer counter."""
-    return [(pool.get_key_buffer(layer)[slots].clone(), pool.get_value_buffer(layer)[slots].clone())
-            for layer in range(pool.layer_num)]
+    return [
+        (pool.get_key_buffer(layer)[slots].clone(), pool.get_value_buffer(layer)[slots].clone())
+        for layer in range(pool.layer_num)
+    ]
 
 
 def _equal(a, b) -> bool:
@@ -144,8 +155,12 @@ def test_staggered_reloads_stay_in_budget_and_every_verification_reads_exact_kv(
     tier = HostFullKV(pool, capacity_tokens=4096, io_backend="torch")
     bytes_per_token = tier.bytes_per_token
     # link: 100 tokens' KV per iteration, so long requests span several iterations
-    sched = StaggeredScheduler(window=3 * (horizon + 1), iteration_s=0.01, link_bytes_s=100 * bytes_per_token / 0.01,
-                               memory_capacity=budget_tokens * bytes_per_token)
+    sched = StaggeredScheduler(
+        window=3 * (horizon + 1),
+        iteration_s=0.01,
+        link_bytes_s=100 * bytes_per_token / 0.01,
+        memory_capacity=budget_tokens * bytes_per_token,
+    )
     reloads = StaggeredReloads(tier, sched, alloc)
     rng, gen = random.Random(3), torch.Generator().manual_seed(3)
     expected: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -157,8 +172,11 @@ def test_staggered_reloads_stay_in_budget_and_every_verification_reads_exact_kv(
         tier.wait_offloaded(tier.offload(rid, slots))
         alloc.free(slots)
         old = expected.get(rid)
-        expected[rid] = new if old is None else [(torch.cat([k0, k]), torch.cat([v0, v]))
-                                                 for (k0, v0), (k, v) in zip(old, new, strict=True)]
+        expected[rid] = (
+            new
+            if old is None
+            else [(torch.cat([k0, k]), torch.cat([v0, v])) for (k0, v0), (k, v) in zip(old, new, strict=True)]
+        )
 
     rids = [f"r{i}" for i in range(10)]
     for rid in rids:
@@ -220,8 +238,13 @@ def test_smollm2_decodes_identically_from_kv_that_went_through_the_host_tier(rea
     tokens = real_engine.encode((PROMPTS / "prose.txt").read_text()[:3000])
     pre = real_engine.prefill(tokens, reuse_prefix=False)
     layout = real_engine.runner.layout
-    pool, alloc = _pool(size=2 * len(tokens), dtype=layout.dtype, layers=layout.num_layers,
-                        heads=layout.num_kv_heads, dim=layout.head_dim)
+    pool, alloc = _pool(
+        size=2 * len(tokens),
+        dtype=layout.dtype,
+        layers=layout.num_layers,
+        heads=layout.num_kv_heads,
+        dim=layout.head_dim,
+    )
     assert pool_layout(pool, layout.model_id).digest() == layout.digest()
     tier = HostFullKV(pool, capacity_tokens=len(tokens), io_backend="torch")
     slots = alloc.alloc(len(tokens))
@@ -234,8 +257,11 @@ def test_smollm2_decodes_identically_from_kv_that_went_through_the_host_tier(rea
     tier.consume(tier.reload([("prose", target)]))
     reloaded = read_full_kv(pool, target, layout)
     tier.done()
-    assert all(torch.equal(a, b) for (ka, va), (kb, vb) in zip(pre.kv.layers, reloaded.layers, strict=True)
-               for a, b in ((ka, kb), (va, vb)))
+    assert all(
+        torch.equal(a, b)
+        for (ka, va), (kb, vb) in zip(pre.kv.layers, reloaded.layers, strict=True)
+        for a, b in ((ka, kb), (va, vb))
+    )
     cfg = real_engine.config(max_new_tokens=32, keep_logits=True)
     reference = real_engine.generate(pre, "full", cfg=cfg)
     through = Prefill(pre.tokens, reloaded, pre.logits, pre.obs, pre.seconds)

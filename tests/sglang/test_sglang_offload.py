@@ -46,8 +46,17 @@ def published_server_args():
     if not (smollm2_dir() / "config.json").exists():
         pytest.skip("SmolLM2 is not prepared (scripts/setup.sh); the server args need a model path")
     load_plugins()
-    sa = prepare_server_args(["--model-path", str(smollm2_dir()), "--device", "cpu", "--enable-vericache",
-                              "--vericache-config", '{"full_kv": "host"}'])
+    sa = prepare_server_args(
+        [
+            "--model-path",
+            str(smollm2_dir()),
+            "--device",
+            "cpu",
+            "--enable-vericache",
+            "--vericache-config",
+            '{"full_kv": "host"}',
+        ]
+    )
     sa.resolve_once()
     get_context().set_server_args(sa)
 
@@ -56,13 +65,25 @@ class Setup:
     """SGLang's pool, allocator, request rows and the vericache radix cache over them."""
 
     def __init__(self):
-        self.pool = MHATokenToKVPool(size=SIZE, page_size=1, dtype=torch.float32, head_num=HEADS, head_dim=DIM,
-                                     layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-        self.alloc = TokenToKVPoolAllocator(size=SIZE, dtype=torch.float32, device="cpu", kvcache=self.pool,
-                                            need_sort=False)
+        self.pool = MHATokenToKVPool(
+            size=SIZE,
+            page_size=1,
+            dtype=torch.float32,
+            head_num=HEADS,
+            head_dim=DIM,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        self.alloc = TokenToKVPoolAllocator(
+            size=SIZE, dtype=torch.float32, device="cpu", kvcache=self.pool, need_sort=False
+        )
         self.rows = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
-        self.cache = VeriCacheRadixCache(CacheInitParams(disable=False, req_to_token_pool=self.rows,
-                                                         token_to_kv_pool_allocator=self.alloc, page_size=1))
+        self.cache = VeriCacheRadixCache(
+            CacheInitParams(
+                disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc, page_size=1
+            )
+        )
         self.gen = torch.Generator().manual_seed(0)
         self.kv: dict[str, list[torch.Tensor]] = {}  # rid -> per layer [tokens, 2, heads, dim] written
 
@@ -99,8 +120,10 @@ class Setup:
     def seen(self, req: Req) -> list[torch.Tensor]:
         """What a verify pass reads for ``req``: its row, through the pool's waiting accessors."""
         row = self.rows.req_to_token[req.kv.req_pool_idx, : req.kv.kv_committed_len].to(torch.int64)
-        return [torch.stack([self.pool.get_key_buffer(layer)[row], self.pool.get_value_buffer(layer)[row]], 1)
-                for layer in range(LAYERS)]
+        return [
+            torch.stack([self.pool.get_key_buffer(layer)[row], self.pool.get_value_buffer(layer)[row]], 1)
+            for layer in range(LAYERS)
+        ]
 
     def same(self, req: Req) -> bool:
         return all(torch.equal(a, b) for a, b in zip(self.seen(req), self.kv[req.rid], strict=True))
@@ -108,8 +131,9 @@ class Setup:
 
 def _host(setup: Setup, **cfg) -> tuple[HostOffload, list[str]]:
     released: list[str] = []
-    runner = SimpleNamespace(token_to_kv_pool=setup.pool, req_to_token_pool=setup.rows,
-                             token_to_kv_pool_allocator=setup.alloc)  # a holder of SGLang's real pools
+    runner = SimpleNamespace(
+        token_to_kv_pool=setup.pool, req_to_token_pool=setup.rows, token_to_kv_pool_allocator=setup.alloc
+    )  # a holder of SGLang's real pools
     host = HostOffload(VeriCacheConfig(full_kv="host", horizon=4, **cfg), runner, setup.alloc, released.append)
     return host, released
 
@@ -191,8 +215,9 @@ def test_a_matched_prefix_stays_with_the_tree_and_only_the_requests_own_rows_mov
     total = s.alloc.available_size()
     prompt = list(range(100, 148))
     first = s.request("first", prompt[:20])
-    s.cache.insert(InsertParams(key=RadixKey(prompt[:20]),
-                                value=s.rows.req_to_token[first.kv.req_pool_idx, :20].to(torch.int64)))
+    s.cache.insert(
+        InsertParams(key=RadixKey(prompt[:20]), value=s.rows.req_to_token[first.kv.req_pool_idx, :20].to(torch.int64))
+    )
     s.kv["_prefix"] = [t.clone() for t in s.kv["first"]]
     req = s.request("b", prompt, prefix=20)
     assert host.offload(req, 48) == 28  # only [20, 48): the prefix is the tree's
@@ -237,7 +262,7 @@ def test_a_request_larger_than_the_reload_room_keeps_its_tail_on_the_device():
     req = s.request("big", list(range(1, 81)))
     assert host.offload(req, 80) == host.arena_slots
     row = s.rows.req_to_token[req.kv.req_pool_idx]
-    assert bool((row[: host.arena_slots] == PAD_SLOT).all()) and bool((row[host.arena_slots:80] != PAD_SLOT).all())
+    assert bool((row[: host.arena_slots] == PAD_SLOT).all()) and bool((row[host.arena_slots : 80] != PAD_SLOT).all())
     _plan_and_draft(host, [req])
     assert _verified_exactly(host, s, req)
 

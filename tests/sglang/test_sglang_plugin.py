@@ -51,8 +51,9 @@ def test_entry_point_is_discovered():
 
 
 def test_flags_parse_resolve_and_imply_settings():
-    sa = prepare_server_args(_argv(config={"compressor": "streamingllm:sink=4,window=256", "horizon": 8,
-                                           "store": "memory://"}))
+    sa = prepare_server_args(
+        _argv(config={"compressor": "streamingllm:sink=4,window=256", "horizon": 8, "store": "memory://"})
+    )
     cfg = config_of(sa)
     assert cfg == VeriCacheConfig(compressor="streamingllm:sink=4,window=256", horizon=8, store="memory://")
     assert sa.speculative_algorithm == "VERICACHE"
@@ -70,8 +71,9 @@ def test_flags_parse_resolve_and_imply_settings():
 
 
 def test_config_survives_pickling_to_a_subprocess():
-    sa = prepare_server_args(_argv(config={"compressor": "snapkv:ratio=0.125", "horizon": 12,
-                                           "verification": "rejection"}))
+    sa = prepare_server_args(
+        _argv(config={"compressor": "snapkv:ratio=0.125", "horizon": 12, "verification": "rejection"})
+    )
     sa.resolve_once()
     child = (
         "import pickle, sys\n"
@@ -92,25 +94,28 @@ def test_config_survives_pickling_to_a_subprocess():
     assert sa.speculative_use_rejection_sampling is True
 
 
-@pytest.mark.parametrize(("config", "extra", "message"), [
-    ({"compressor": "h3o"}, (), "unknown compressor 'h3o'"),
-    ({"compressor": "kivi:bits=2"}, (), "quantization compressor"),
-    ({"horizon": 0}, (), "horizon must be in"),
-    ({"full_kv": "disk"}, (), "full_kv must be one of"),
-    ({"verification": "greedy"}, (), "'greedy' is now 'exact'"),
-    ({"store": "ftp://x"}, (), "store scheme 'ftp'"),
-    ({"horizn": 8}, (), "unknown keys ['horizn']"),
-    ({}, ("--tp-size", "2"), "tensor parallelism"),
-    ({}, ("--enable-lora",), "LoRA"),
-    ({}, ("--enable-hierarchical-cache",), "--enable-hierarchical-cache"),
-    ({}, ("--speculative-algorithm", "EAGLE"), "--speculative-algorithm 'EAGLE' was given"),
-    ({"horizon": 8}, ("--speculative-num-draft-tokens", "4"), "--speculative-num-draft-tokens 4 was given"),
-    ({}, ("--radix-cache-backend", "flexkv"), "--radix-cache-backend 'flexkv' was given"),
-    ({"full_kv": "host"}, ("--page-size", "16"), "--page-size > 1 with full_kv=host"),
-    ({"full_kv": "host"}, ("--disaggregation-mode", "decode"), "disaggregation with full_kv=host"),
-    ({"full_kv": "host", "reload_room": 1.5}, (), "reload_room must be a number in (0.0, 1.0)"),
-    ({"full_kv": "host", "host_pool_ratio": 0}, (), "host_pool_ratio must be a number in (0.0, inf)"),
-])
+@pytest.mark.parametrize(
+    ("config", "extra", "message"),
+    [
+        ({"compressor": "h3o"}, (), "unknown compressor 'h3o'"),
+        ({"compressor": "kivi:bits=2"}, (), "quantization compressor"),
+        ({"horizon": 0}, (), "horizon must be in"),
+        ({"full_kv": "disk"}, (), "full_kv must be one of"),
+        ({"verification": "greedy"}, (), "'greedy' is now 'exact'"),
+        ({"store": "ftp://x"}, (), "store scheme 'ftp'"),
+        ({"horizn": 8}, (), "unknown keys ['horizn']"),
+        ({}, ("--tp-size", "2"), "tensor parallelism"),
+        ({}, ("--enable-lora",), "LoRA"),
+        ({}, ("--enable-hierarchical-cache",), "--enable-hierarchical-cache"),
+        ({}, ("--speculative-algorithm", "EAGLE"), "--speculative-algorithm 'EAGLE' was given"),
+        ({"horizon": 8}, ("--speculative-num-draft-tokens", "4"), "--speculative-num-draft-tokens 4 was given"),
+        ({}, ("--radix-cache-backend", "flexkv"), "--radix-cache-backend 'flexkv' was given"),
+        ({"full_kv": "host"}, ("--page-size", "16"), "--page-size > 1 with full_kv=host"),
+        ({"full_kv": "host"}, ("--disaggregation-mode", "decode"), "disaggregation with full_kv=host"),
+        ({"full_kv": "host", "reload_room": 1.5}, (), "reload_room must be a number in (0.0, 1.0)"),
+        ({"full_kv": "host", "host_pool_ratio": 0}, (), "host_pool_ratio must be a number in (0.0, inf)"),
+    ],
+)
 def test_contradictory_or_unsupported_settings_are_clear_errors(config, extra, message):
     with pytest.raises(VeriCacheConfigError) as err:
         prepare_server_args(_argv(*extra, config=config))
@@ -127,16 +132,16 @@ def test_config_without_enable_flag_and_bad_json_are_errors():
 def test_config_from_file(tmp_path):
     path = tmp_path / "vc.json"
     path.write_text(json.dumps({"horizon": 32, "compressor": "snapkv"}))
-    sa = prepare_server_args(["--model-path", _model_path(), "--device", "cpu", "--enable-vericache",
-                              "--vericache-config", f"@{path}"])
+    sa = prepare_server_args(
+        ["--model-path", _model_path(), "--device", "cpu", "--enable-vericache", "--vericache-config", f"@{path}"]
+    )
     assert config_of(sa).horizon == 32 and sa.speculative_num_draft_tokens == 33
     with pytest.raises(VeriCacheConfigError, match="No such file"):
         VeriCacheConfig.parse(f"@{tmp_path / 'missing.json'}")
 
 
 def test_speculative_algorithm_without_the_flag_is_refused():
-    sa = prepare_server_args(["--model-path", _model_path(), "--device", "cpu",
-                              "--speculative-algorithm", "VERICACHE"])
+    sa = prepare_server_args(["--model-path", _model_path(), "--device", "cpu", "--speculative-algorithm", "VERICACHE"])
     with pytest.raises(VeriCacheConfigError, match="pass that flag instead"):
         sa.resolve_once()
 
@@ -155,10 +160,15 @@ def _hf_dir(tmp_path, **config):
     return d
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
-     "sliding-window attention"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
+            "sliding-window attention",
+        ),
+    ],
+)
 def test_unsupported_models_are_refused_at_resolution(tmp_path, overrides, message):
     _model_path()
     d = _hf_dir(tmp_path, **overrides)

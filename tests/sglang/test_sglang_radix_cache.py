@@ -36,21 +36,31 @@ def setup(real_engine):
     b = a[:PREFIX] + real_engine.encode(" An unrelated ending about tide pools and their crabs.", chat=False)
     pre_a, pre_b = real_engine.prefill(a, reuse_prefix=False), real_engine.prefill(b, reuse_prefix=False)
     layout = real_engine.runner.layout
-    pool = MHATokenToKVPool(size=4096, page_size=1, dtype=layout.dtype, head_num=layout.num_kv_heads,
-                            head_dim=layout.head_dim, layer_num=layout.num_layers, device="cpu",
-                            enable_memory_saver=False)
+    pool = MHATokenToKVPool(
+        size=4096,
+        page_size=1,
+        dtype=layout.dtype,
+        head_num=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        layer_num=layout.num_layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     alloc = TokenToKVPoolAllocator(size=4096, dtype=layout.dtype, device="cpu", kvcache=pool, need_sort=False)
     return {"a": a, "b": b, "pre_a": pre_a, "pre_b": pre_b, "layout": layout, "pool": pool, "alloc": alloc}
 
 
 def _fresh_cache(alloc) -> VeriCacheRadixCache:
-    return VeriCacheRadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
-                                               token_to_kv_pool_allocator=alloc, page_size=1))
+    return VeriCacheRadixCache(
+        CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=1)
+    )
 
 
 def _same_copy(x, y) -> bool:
-    return all(torch.equal(lx.read()[0], ly.read()[0]) and torch.equal(lx.read()[1], ly.read()[1])
-               for lx, ly in zip(x.layers, y.layers, strict=True))
+    return all(
+        torch.equal(lx.read()[0], ly.read()[0]) and torch.equal(lx.read()[1], ly.read()[1])
+        for lx, ly in zip(x.layers, y.layers, strict=True)
+    )
 
 
 @pytest.mark.parametrize("spec", ["snapkv:ratio=0.25", "streamingllm:sink=4,window=128"])
@@ -65,8 +75,11 @@ def test_copies_inserted_matched_and_evicted_with_the_tree(setup, spec):
     # the pool holds the prefill's KV bit for bit, and a copy made from the pool is the copy the
     # engine makes from its own KV
     from_pool = read_full_kv(pool, slots_a, layout).layers
-    assert all(torch.equal(x, y) for lx, ly in zip(from_pool, setup["pre_a"].kv.layers, strict=True)
-               for x, y in zip(lx, ly, strict=True))
+    assert all(
+        torch.equal(x, y)
+        for lx, ly in zip(from_pool, setup["pre_a"].kv.layers, strict=True)
+        for x, y in zip(lx, ly, strict=True)
+    )
     copy_a = compress_from_pool(pool, slots_a, layout, comp, setup["pre_a"].obs)
     assert _same_copy(copy_a, comp.compress(setup["pre_a"].kv, setup["pre_a"].obs))
     assert copy_a.nbytes < setup["pre_a"].kv.nbytes / 2
@@ -89,9 +102,13 @@ def test_copies_inserted_matched_and_evicted_with_the_tree(setup, spec):
     slots_b = torch.cat([slots_a[:PREFIX], slots_b_tail])
     copy_b = compress_from_pool(pool, slots_b, layout, comp, setup["pre_b"].obs)
     # the pool's B row is A's prefix KV (shared, not recomputed) then B's tail
-    kv_b = FullKV(layout, [
-        (torch.cat([ka[:, :PREFIX], kb[:, PREFIX:]], 1), torch.cat([va[:, :PREFIX], vb[:, PREFIX:]], 1))
-        for (ka, va), (kb, vb) in zip(setup["pre_a"].kv.layers, setup["pre_b"].kv.layers, strict=True)])
+    kv_b = FullKV(
+        layout,
+        [
+            (torch.cat([ka[:, :PREFIX], kb[:, PREFIX:]], 1), torch.cat([va[:, :PREFIX], vb[:, PREFIX:]], 1))
+            for (ka, va), (kb, vb) in zip(setup["pre_a"].kv.layers, setup["pre_b"].kv.layers, strict=True)
+        ],
+    )
     assert _same_copy(copy_b, comp.compress(kv_b, setup["pre_b"].obs))
     cache.insert_with_copy(RadixKey(b), slots_b, copy_b)
     assert cache.copy_count() == 2

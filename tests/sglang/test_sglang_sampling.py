@@ -32,7 +32,6 @@ def test_sglang_settings_map_onto_the_core_sampler():
     assert unseeded.seed == zlib.crc32(b"req-17") == core_sampling(SGLangSamplingParams(temperature=1.0), "req-17").seed
 
 
-
 class _Req:
     def __init__(self, **params):
         self.sampling_params = SGLangSamplingParams(**params)
@@ -44,7 +43,9 @@ def test_settings_only_sglangs_sampler_applies_make_a_request_its_own():
     assert own_settings(_Req(temperature=0.7, top_p=0.9, sampling_seed=1)) == ()
     assert own_settings(_Req(temperature=0.0)) == ()
     assert own_settings(_Req(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.1)) == (
-        "frequency_penalty", "repetition_penalty")
+        "frequency_penalty",
+        "repetition_penalty",
+    )
     assert own_settings(_Req(min_p=0.05)) == ("min_p",)
     assert own_settings(_Req(min_new_tokens=3, logit_bias={"5": 1.0})) == ("min_new_tokens", "logit_bias")
 
@@ -61,17 +62,22 @@ def test_sampled_requests_commit_the_verifiers_own_draws():
     verifier's position-keyed draws (its argmax for the greedy one), and its drafts up to the
     first mismatch are exactly those draws."""
     bs, x, vocab = 4, 6, 50
-    samplers = [Sampler(SamplingParams()), Sampler(SamplingParams(temperature=0.8, seed=3)),
-                Sampler(SamplingParams(temperature=1.2, top_k=10, seed=4)),
-                Sampler(SamplingParams(temperature=0.9, top_p=0.8, seed=5))]
+    samplers = [
+        Sampler(SamplingParams()),
+        Sampler(SamplingParams(temperature=0.8, seed=3)),
+        Sampler(SamplingParams(temperature=1.2, top_k=10, seed=4)),
+        Sampler(SamplingParams(temperature=0.9, top_p=0.8, seed=5)),
+    ]
     committed = [100, 37, 512, 9]
     accepted_some = 0
     for trial in range(20):
         target, drafter = _logits(bs, x, vocab, trial)
-        drafts = torch.stack([draws(drafter[:, j], samplers, [c + 1 + j for c in committed], False)[0]
-                              for j in range(x)], dim=1)
-        verdicts = [verdict(drafts[i].tolist(), [], target[i], committed[i], samplers[i], rejection=False)
-                    for i in range(bs)]
+        drafts = torch.stack(
+            [draws(drafter[:, j], samplers, [c + 1 + j for c in committed], False)[0] for j in range(x)], dim=1
+        )
+        verdicts = [
+            verdict(drafts[i].tolist(), [], target[i], committed[i], samplers[i], rejection=False) for i in range(bs)
+        ]
         for i, (v, sampler) in enumerate(zip(verdicts, samplers, strict=True)):
             own = sampler.sample(target[i], [committed[i] + 1 + k for k in range(x + 1)]).tolist()
             assert v.tokens == own[: v.accepted + 1]

@@ -24,20 +24,52 @@ LAYERS, HEADS, DIM = 3, 3, 64
 
 
 def _host_pool(layout: str = "page_first", dtype=torch.float32) -> MHATokenToKVPoolHost:
-    device = MHATokenToKVPool(size=256, page_size=PAGE, dtype=dtype, head_num=HEADS, head_dim=DIM,
-                              layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    device = MHATokenToKVPool(
+        size=256,
+        page_size=PAGE,
+        dtype=dtype,
+        head_num=HEADS,
+        head_dim=DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     return MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout, pin_memory=False,
-        device_capacity_tokens=device.size, start_layer=device.start_layer, end_layer=device.end_layer,
-        write_back_staging=device.hicache_write_back_staging)
+        device.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+        write_back_staging=device.hicache_write_back_staging,
+    )
 
 
 def _backend(url: str, host, namespace: str) -> VeriCacheHiCacheStorage:
-    extra = {"backend_name": "vericache", "module_path": "vericache_sglang.sglang.storage",
-             "class_name": "VeriCacheHiCacheStorage", "interface_v1": 1, "store_url": url, "namespace": namespace}
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name="SmolLM2-135M-Instruct", extra_config=extra)
+    extra = {
+        "backend_name": "vericache",
+        "module_path": "vericache_sglang.sglang.storage",
+        "class_name": "VeriCacheHiCacheStorage",
+        "interface_v1": 1,
+        "store_url": url,
+        "namespace": namespace,
+    }
+    cfg = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="SmolLM2-135M-Instruct",
+        extra_config=extra,
+    )
     backend = StorageBackendFactory.create_backend("dynamic", cfg, host)
     assert isinstance(backend, VeriCacheHiCacheStorage)
     backend.register_mem_pool_host(host)
@@ -138,11 +170,24 @@ def test_store_that_goes_away_makes_pages_miss_without_raising(tmp_path):
 
 
 def test_missing_store_url_is_a_clear_error():
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name="m", extra_config={"backend_name": "vericache", "interface_v1": 1,
-                                                             "module_path": "vericache_sglang.sglang.storage",
-                                                             "class_name": "VeriCacheHiCacheStorage"})
+    cfg = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="m",
+        extra_config={
+            "backend_name": "vericache",
+            "interface_v1": 1,
+            "module_path": "vericache_sglang.sglang.storage",
+            "class_name": "VeriCacheHiCacheStorage",
+        },
+    )
     with pytest.raises(ValueError, match="store_url"):
         StorageBackendFactory.create_backend("dynamic", cfg, None)
 
@@ -155,8 +200,10 @@ def test_a_store_it_cannot_use_fails_the_backend_at_start(store_url):
     from remote_store import StoreConfigError
 
     wrong = store_url.replace(store_url.split("@")[0].split("//")[1], ":wrong")
-    for url, cause in ((wrong, "refused this client's credentials"),
-                       (f"grpc://127.0.0.1:{free_port()}", "does not answer")):
+    for url, cause in (
+        (wrong, "refused this client's credentials"),
+        (f"grpc://127.0.0.1:{free_port()}", "does not answer"),
+    ):
         with pytest.raises(StoreConfigError, match=cause) as e:
             _backend(url, _host_pool(), "ns")
         assert ":wrong@" not in str(e.value)

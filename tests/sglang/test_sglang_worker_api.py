@@ -25,19 +25,57 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 SGLANG_DIR = Path(__file__).resolve().parents[2] / "vericache_sglang" / "sglang"
-WORKER_FILES = ("step/worker.py", "step/admission.py", "full_kv/host_offload.py", "step/forward.py",
-                "step/request_plan.py", "step/step_output.py", "step/lookup_windows.py")
+WORKER_FILES = (
+    "step/worker.py",
+    "step/admission.py",
+    "full_kv/host_offload.py",
+    "step/forward.py",
+    "step/request_plan.py",
+    "step/step_output.py",
+    "step/lookup_windows.py",
+)
 
 # the attribute paths the worker reads, by the object they hang off
-REQ = {"grammar", "kv.cache_protected_len", "kv.req_pool_idx", "origin_input_ids", "return_logprob", "rid",
-       "sampling_params", "skip_radix_cache_insert", "to_finish", "logprob.token_ids_logprob",
-       "logprob.top_logprobs_num", "output_ids", "eos_token_ids", "sampling_params.ignore_eos",
-       "sampling_params.stop_token_ids"}
-BATCH = {"extend_lens", "forward_mode", "has_grammar", "req_pool_indices", "reqs", "return_logprob", "seq_lens",
-         "spec_algorithm", "spec_info"}
+REQ = {
+    "grammar",
+    "kv.cache_protected_len",
+    "kv.req_pool_idx",
+    "origin_input_ids",
+    "return_logprob",
+    "rid",
+    "sampling_params",
+    "skip_radix_cache_insert",
+    "to_finish",
+    "logprob.token_ids_logprob",
+    "logprob.top_logprobs_num",
+    "output_ids",
+    "eos_token_ids",
+    "sampling_params.ignore_eos",
+    "sampling_params.stop_token_ids",
+}
+BATCH = {
+    "extend_lens",
+    "forward_mode",
+    "has_grammar",
+    "req_pool_indices",
+    "reqs",
+    "return_logprob",
+    "seq_lens",
+    "spec_algorithm",
+    "spec_info",
+}
 RESULT = {"logits_output", "new_seq_lens", "next_draft_input", "next_token_ids"}
-SAMPLING = {"top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
-            "sampling_seed", "temperature", "top_p"}
+SAMPLING = {
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "sampling_seed",
+    "temperature",
+    "top_p",
+}
 
 
 def _uses(prefix: str) -> set[str]:
@@ -74,7 +112,18 @@ def test_batches_and_results_have_the_fields_the_worker_reads():
     result_fields = {f.name for f in dataclasses.fields(GenerationBatchResult)}
     assert RESULT | {"accept_lens", "speculative_num_draft_tokens", "can_run_cuda_graph"} <= result_fields
     forward_fields = {f.name for f in dataclasses.fields(ForwardBatch)}
-    assert {"forward_mode", "batch_size", "input_ids", "req_pool_indices", "seq_lens", "seq_lens_cpu",
-            "seq_lens_sum", "out_cache_loc", "positions", "spec_info", "spec_algorithm",
-            "capture_hidden_mode"} <= forward_fields
+    assert {
+        "forward_mode",
+        "batch_size",
+        "input_ids",
+        "req_pool_indices",
+        "seq_lens",
+        "seq_lens_cpu",
+        "seq_lens_sum",
+        "out_cache_loc",
+        "positions",
+        "spec_info",
+        "spec_algorithm",
+        "capture_hidden_mode",
+    } <= forward_fields
     assert "next_token_logits" in {f.name for f in dataclasses.fields(LogitsProcessorOutput)}

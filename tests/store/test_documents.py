@@ -51,14 +51,20 @@ def test_catalog_refuses_malformed_records(tiny_runner, shared):
     store.backend.put_many([(cat.index_key, b"{not json")])
     with pytest.raises(DocumentError, match="not JSON"):
         cat.documents()
-    _pre, digest, _ = store_document(tiny_runner, FullKVStore(MemoryStore(), tiny_runner.layout, "rag", CHUNK),
-                                     _doc(3, 64), publish=False)
-    store.backend.put_many([(cat.index_key, f'["{digest}"]'.encode()),
-                            (cat.record_key(digest), b'{"name": "x", "tokens": [1, 2], "created": 0}')])
+    _pre, digest, _ = store_document(
+        tiny_runner, FullKVStore(MemoryStore(), tiny_runner.layout, "rag", CHUNK), _doc(3, 64), publish=False
+    )
+    store.backend.put_many(
+        [
+            (cat.index_key, f'["{digest}"]'.encode()),
+            (cat.record_key(digest), b'{"name": "x", "tokens": [1, 2], "created": 0}'),
+        ]
+    )
     with pytest.raises(DocumentError, match="whole chunks"):
         cat.documents()
-    store.backend.put_many([(cat.record_key(digest), f'{{"name": "x", "tokens": {_doc(4, 64)}, "created": 0}}'
-                             .encode())])
+    store.backend.put_many(
+        [(cat.record_key(digest), f'{{"name": "x", "tokens": {_doc(4, 64)}, "created": 0}}'.encode())]
+    )
     with pytest.raises(DocumentError, match="another digest"):
         cat.documents()
     store.backend.put_many([(cat.record_key(digest), b'{"name": "x"}')])
@@ -74,8 +80,9 @@ def test_a_second_registry_adopts_documents_from_the_store(tiny_runner, shared):
     assert [p.digest for p in adopted] == [mine.digest] and dropped == []
     theirs = node_b.by_digest[mine.digest]
     assert theirs.tokens == mine.tokens and theirs.name == "doc-a"
-    for (ka, va), (kb, vb) in zip((lay.read() for lay in mine.ckv.layers), (lay.read() for lay in theirs.ckv.layers),
-                                  strict=True):
+    for (ka, va), (kb, vb) in zip(
+        (lay.read() for lay in mine.ckv.layers), (lay.read() for lay in theirs.ckv.layers), strict=True
+    ):
         assert torch.equal(ka, kb) and torch.equal(va, vb)  # key norms: the same choice on both nodes
     question = _doc(5, 11)
     assert node_b.match(doc[:128] + question) is theirs
@@ -101,8 +108,10 @@ def test_every_compressor_says_how_it_scores_a_shared_document():
     assert parse_spec("snapkv+kivi").document_scoring == table["snapkv"]
 
 
-@pytest.mark.parametrize("spec", ["knorm:ratio=0.25", "snapkv:ratio=0.25,window=16",
-                                  pytest.param("kivi:bits=2,group=16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "spec",
+    ["knorm:ratio=0.25", "snapkv:ratio=0.25,window=16", pytest.param("kivi:bits=2,group=16", marks=pytest.mark.slow)],
+)
 def test_batch_engine_starts_requests_over_a_document(tiny_runner, shared, spec, exactness):
     store, other = shared
     PrefixRegistry(tiny_runner, store, parse_spec(spec)).register(_doc(7, 200), "d", publish=True)

@@ -17,9 +17,13 @@ from vericache_sglang.engine.fetch import FetchError
 from vericache_sglang.engine.prefill import prefill
 from vericache_sglang.full_kv.store import FullKVStore
 
-pytestmark = [pytest.mark.service,
-              pytest.mark.skipif(not (lmcache_available() and redis_available()),
-                                 reason="needs .venv-lmcache (scripts/setup_lmcache.sh) and redis-server")]
+pytestmark = [
+    pytest.mark.service,
+    pytest.mark.skipif(
+        not (lmcache_available() and redis_available()),
+        reason="needs .venv-lmcache (scripts/setup_lmcache.sh) and redis-server",
+    ),
+]
 
 
 @pytest.fixture
@@ -71,8 +75,13 @@ def test_sidecar_killed_mid_fetch_recomputes(tiny_runner, pre, ref, tmp_path, re
         kill_at = 2 * tiny_runner.layout.num_layers + 3
         backend = HookedStore(open_store(sidecar.url), lambda n: sidecar.kill() if n == kill_at else None)
         store = FullKVStore(backend, tiny_runner.layout, namespace=uuid.uuid4().hex, chunk_tokens=32)
-        res = generate_vericache(tiny_runner, pre, parse_spec("snapkv:ratio=0.25,window=16"), store,
-                                 GenerationConfig(max_new_tokens=30, keep_logits=True, horizon=6))
+        res = generate_vericache(
+            tiny_runner,
+            pre,
+            parse_spec("snapkv:ratio=0.25,window=16"),
+            store,
+            GenerationConfig(max_new_tokens=30, keep_logits=True, horizon=6),
+        )
         cmp = compare(ref, res)
         exactness("tiny greedy, LMCache sidecar killed mid-fetch, recompute", cmp)
         assert cmp["identical"] and res.stats.store_fallbacks == 1
@@ -100,8 +109,13 @@ def test_a_corrupted_lmcache_record_is_refused(tiny_runner, pre, ref, tmp_path, 
                 corrupt_all_records()
 
         with pytest.raises(FetchError, match="checksum"):
-            generate_vericache(tiny_runner, pre, parse_spec("snapkv:ratio=0.25,window=16"), store,
-                               GenerationConfig(max_new_tokens=30, horizon=6, on_store_error="fail"),
-                               on_commit=after_commit)
+            generate_vericache(
+                tiny_runner,
+                pre,
+                parse_spec("snapkv:ratio=0.25,window=16"),
+                store,
+                GenerationConfig(max_new_tokens=30, horizon=6, on_store_error="fail"),
+                on_commit=after_commit,
+            )
     finally:
         sidecar.stop()

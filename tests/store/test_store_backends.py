@@ -29,8 +29,10 @@ def layout(dtype=torch.float32):
 
 def random_kv(lay, n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, n, 16, generator=g).to(lay.dtype), torch.randn(2, n, 16, generator=g).to(lay.dtype))
-            for _ in range(lay.num_layers)]
+    return [
+        (torch.randn(2, n, 16, generator=g).to(lay.dtype), torch.randn(2, n, 16, generator=g).to(lay.dtype))
+        for _ in range(lay.num_layers)
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -57,10 +59,13 @@ def test_packed_quantized_payload_roundtrip(backend_url):
     c = parse_spec("kivi:bits=2,group=16,residual=16")
     k = torch.randn(2, 64, 16)
     layer = c.compress_layer(0, k, torch.randn(2, 64, 16), None)
-    payload = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes()
-                       for t in (*layer.k_blocks.codes, *layer.k_blocks.scales, *layer.v_blocks.codes))
-    header = codec.ChunkHeader(codec.KIND_PACKED, "uint8", 0, 2, 64, 16, 0, "0123456789abcdef", b"p" * 16, 0,
-                               len(payload))
+    payload = b"".join(
+        t.contiguous().view(torch.uint8).numpy().tobytes()
+        for t in (*layer.k_blocks.codes, *layer.k_blocks.scales, *layer.v_blocks.codes)
+    )
+    header = codec.ChunkHeader(
+        codec.KIND_PACKED, "uint8", 0, 2, 64, 16, 0, "0123456789abcdef", b"p" * 16, 0, len(payload)
+    )
     backend = open_store(backend_url)
     key = f"test:packed:{uuid.uuid4().hex}"
     backend.put_many([(key, codec.encode(header, payload))])
@@ -89,8 +94,12 @@ def test_cross_process_read(request, which):
         pytest.skip("redis-server is not installed")
     url = request.getfixturevalue("redis_url" if which == "redis" else "store_url")
     ns = uuid.uuid4().hex
-    done = subprocess.run([sys.executable, "-c", WRITER.format(tests=str(REPO / "tests"), url=url, ns=ns)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", WRITER.format(tests=str(REPO / "tests"), url=url, ns=ns)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and "written" in done.stdout, done.stderr
     store = FullKVStore(open_store(url), layout(), namespace=ns, chunk_tokens=32)
     assert store.longest_prefix(list(range(64))) == 64
@@ -113,8 +122,13 @@ def tiny_ref(tiny_runner, tiny_pre):
 
 def test_vericache_identical_on_each_backend(tiny_runner, tiny_pre, tiny_ref, backend_url, exactness):
     store = FullKVStore(open_store(backend_url), tiny_runner.layout, namespace=uuid.uuid4().hex, chunk_tokens=32)
-    res = generate_vericache(tiny_runner, tiny_pre, parse_spec("snapkv:ratio=0.25,window=16"), store,
-                             GenerationConfig(max_new_tokens=40, keep_logits=True, horizon=8))
+    res = generate_vericache(
+        tiny_runner,
+        tiny_pre,
+        parse_spec("snapkv:ratio=0.25,window=16"),
+        store,
+        GenerationConfig(max_new_tokens=40, keep_logits=True, horizon=8),
+    )
     cmp = compare(tiny_ref, res)
     exactness(f"tiny greedy via {backend_url.split(':')[0]}", cmp)
     assert cmp["identical"], cmp
@@ -177,9 +191,19 @@ def test_redis_auth_and_tls(tmp_path):
 
 
 def test_server_needs_no_torch_and_shuts_down_gracefully(tmp_path):
-    done = subprocess.run([sys.executable, "-c", "import sys, remote_store.server, remote_store.backends.grpc; "
-                           "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))"
-                           .replace("import sys,", "import json, sys,")], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, remote_store.server, remote_store.backends.grpc; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))".replace(
+                "import sys,", "import json, sys,"
+            ),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == []
     server = StoreServer(tmp_path)
@@ -194,8 +218,9 @@ def test_unknown_scheme_is_a_clear_error():
         open_store("grpc://nohost")
 
 
-@pytest.mark.parametrize("spec", ["snapkv:ratio=0.5,window=8", "streamingllm:sink=4,window=40",
-                                  "kivi:bits=2,group=16,residual=32"])
+@pytest.mark.parametrize(
+    "spec", ["snapkv:ratio=0.5,window=8", "streamingllm:sink=4,window=40", "kivi:bits=2,group=16,residual=32"]
+)
 def test_subset_fetch_moves_only_rows_not_held(backend_url, spec):
     from vericache_sglang.core.compress.observation import Observation
     from vericache_sglang.core.kv import FullKV
@@ -204,8 +229,9 @@ def test_subset_fetch_moves_only_rows_not_held(backend_url, spec):
     n = 150
     kv = random_kv(lay, n, seed=4)
     ckv = parse_spec(spec).compress(FullKV(lay, kv), Observation([torch.randn(4, 64, 16) for _ in range(3)]))
-    store = FullKVStore(open_store(backend_url), lay, namespace=uuid.uuid4().hex, chunk_tokens=32,
-                        subset_min_fraction=0.0)
+    store = FullKVStore(
+        open_store(backend_url), lay, namespace=uuid.uuid4().hex, chunk_tokens=32, subset_min_fraction=0.0
+    )
     req = store.open_request(list(range(n)))
     req.write(0, kv)
     whole = {layer: (k.clone(), v.clone()) for layer, k, v in req.fetch_layers(n)}
@@ -232,9 +258,11 @@ def test_subset_fetch_detects_a_corrupt_row(redis_url):
     lay = layout()
     kv = random_kv(lay, 64, seed=5)
     ckv = parse_spec("snapkv:ratio=0.5,window=8").compress(
-        FullKV(lay, kv), Observation([torch.randn(4, 64, 16) for _ in range(3)]))
-    store = FullKVStore(open_store(redis_url), lay, namespace=uuid.uuid4().hex, chunk_tokens=32,
-                        subset_min_fraction=0.0)
+        FullKV(lay, kv), Observation([torch.randn(4, 64, 16) for _ in range(3)])
+    )
+    store = FullKVStore(
+        open_store(redis_url), lay, namespace=uuid.uuid4().hex, chunk_tokens=32, subset_min_fraction=0.0
+    )
     req = store.open_request(list(range(64)))
     req.write(0, kv)
     key = store.key(store.refs(req.tokens, 64)[0], 1)

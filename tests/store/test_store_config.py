@@ -64,15 +64,18 @@ def test_redis_with_a_password_refuses_wrong_and_missing_ones(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vericache_sglang.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "vericache_sglang.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 # Every cause is checked where the store is opened (connect_store, above); each command is checked
 # with one of them in the default set and with all of them in the heavy set.
 DEFAULT_CAUSE = "wrong token"
-CAUSES = [pytest.param(name, id=name.replace(" ", "-"), marks=() if name == DEFAULT_CAUSE else pytest.mark.slow)
-          for name in _bad_urls(0)]
+CAUSES = [
+    pytest.param(name, id=name.replace(" ", "-"), marks=() if name == DEFAULT_CAUSE else pytest.mark.slow)
+    for name in _bad_urls(0)
+]
 
 
 @pytest.mark.real_model
@@ -85,15 +88,20 @@ def test_generate_serve_and_prefix_exit_non_zero_at_start(token_store, tmp_path,
         for name, (url, cause) in _bad_urls(token_store.port).items():
             if name != case:
                 continue
-            runs[("generate", name)] = (pool.submit(_cli, "generate", "--prompt", "hi", "--max-new-tokens", "4",
-                                                    "--store", url), cause)
+            runs[("generate", name)] = (
+                pool.submit(_cli, "generate", "--prompt", "hi", "--max-new-tokens", "4", "--store", url),
+                cause,
+            )
             runs[("serve", name)] = (pool.submit(_cli, "serve", "--port", str(free_port()), "--store", url), cause)
             runs[("prefix add", name)] = (pool.submit(_cli, "prefix", "add", str(doc), "--store", url), cause)
     for (command, name), (future, cause) in runs.items():
         done = future.result()
         assert done.returncode != 0, (command, name, done.stdout[-500:])
-        assert "vericache: error: store grpc" in done.stderr and cause in done.stderr, (command, name,
-                                                                                          done.stderr[-1500:])
+        assert "vericache: error: store grpc" in done.stderr and cause in done.stderr, (
+            command,
+            name,
+            done.stderr[-1500:],
+        )
 
 
 @pytest.mark.sglang
@@ -103,10 +111,17 @@ def test_sglangs_launch_fails_fast_on_a_store_it_cannot_use(token_store, case):
 
     def launch(url: str) -> subprocess.CompletedProcess:
         config = json.dumps({"compressor": "snapkv:ratio=0.125", "full_kv": "store", "store": url})
-        return subprocess.run(launch_command(free_port(), "--max-total-tokens", "4096", "--enable-vericache",
-                                             "--vericache-config", config),
-                              cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=400,
-                              start_new_session=True)
+        return subprocess.run(
+            launch_command(
+                free_port(), "--max-total-tokens", "4096", "--enable-vericache", "--vericache-config", config
+            ),
+            cwd=REPO,
+            env=cpu_env(),
+            capture_output=True,
+            text=True,
+            timeout=400,
+            start_new_session=True,
+        )
 
     url, cause = _bad_urls(token_store.port)[case]
     done = launch(url)
@@ -143,8 +158,9 @@ def test_a_store_that_starts_refusing_mid_run_fails_the_request_without_recomput
     emitted: list[int] = []
     try:
         with pytest.raises(FetchError, match="refused this server") as e:
-            generate_vericache(tiny_runner, pre, parse_spec("snapkv:ratio=0.25,window=16"), store, cfg,
-                               on_commit=emitted.extend)
+            generate_vericache(
+                tiny_runner, pre, parse_spec("snapkv:ratio=0.25,window=16"), store, cfg, on_commit=emitted.extend
+            )
         assert refused(e.value)
         assert 0 < len(emitted) < 48 and emitted == reference.tokens[: len(emitted)]
     finally:
@@ -155,8 +171,13 @@ def test_a_store_that_starts_refusing_mid_run_fails_the_request_without_recomput
 
 def test_every_entry_point_connects_through_the_probe():
     """What opens a store for a run goes through connect_store (the probe), not open_store."""
-    sources = {path: (REPO / path).read_text() for path in (
-        "vericache_sglang/engine/engine.py", "vericache_sglang/sglang/step/worker.py",
-        "vericache_sglang/sglang/storage.py")}
+    sources = {
+        path: (REPO / path).read_text()
+        for path in (
+            "vericache_sglang/engine/engine.py",
+            "vericache_sglang/sglang/step/worker.py",
+            "vericache_sglang/sglang/storage.py",
+        )
+    }
     for path, text in sources.items():
         assert "connect_store(" in text and "open_store(" not in text, path

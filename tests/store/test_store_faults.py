@@ -42,8 +42,14 @@ def ref(tiny_runner, pre):
 def run(tiny_runner, pre, backend, on_commit=None, **cfg):
     store = FullKVStore(backend, tiny_runner.layout, namespace=uuid.uuid4().hex, chunk_tokens=32)
     cfg.setdefault("horizon", 6)
-    return generate_vericache(tiny_runner, pre, parse_spec(SPEC), store,
-                              GenerationConfig(max_new_tokens=NEW, keep_logits=True, **cfg), on_commit=on_commit), store
+    return generate_vericache(
+        tiny_runner,
+        pre,
+        parse_spec(SPEC),
+        store,
+        GenerationConfig(max_new_tokens=NEW, keep_logits=True, **cfg),
+        on_commit=on_commit,
+    ), store
 
 
 def after_commits(k, action):
@@ -135,25 +141,37 @@ def test_damaged_chunk_is_refused(tiny_runner, pre, ref, tmp_path, damage, exact
         backend = open_store(server.url)
         # Whole-record reads: which chunk is damaged depends on the (random) namespace, and a row-subset
         # read rightly ignores damage to rows it does not need (test_store_backends covers that path).
-        store = FullKVStore(backend, tiny_runner.layout, namespace=uuid.uuid4().hex, chunk_tokens=32,
-                            subset_min_fraction=2.0)
+        store = FullKVStore(
+            backend, tiny_runner.layout, namespace=uuid.uuid4().hex, chunk_tokens=32, subset_min_fraction=2.0
+        )
         holder["store"] = store
         emitted = []
         damage_once = after_commits(2, hurt)  # after the first verification: the prompt is stored
         with pytest.raises(FetchError) as e:
-            generate_vericache(tiny_runner, pre, parse_spec(SPEC), store,
-                               GenerationConfig(max_new_tokens=NEW, horizon=6, on_store_error="fail"),
-                               on_commit=lambda t: (emitted.extend(t), damage_once(t)))
+            generate_vericache(
+                tiny_runner,
+                pre,
+                parse_spec(SPEC),
+                store,
+                GenerationConfig(max_new_tokens=NEW, horizon=6, on_store_error="fail"),
+                on_commit=lambda t: (emitted.extend(t), damage_once(t)),
+            )
         expected = {"flip_byte": "checksum", "foreign_chunk": "token-prefix digest", "missing_key": "missing"}
         assert expected[damage] in str(e.value)
         assert emitted == ref.tokens[: len(emitted)]
         # the same damage with the recompute policy: identical output
-        store = FullKVStore(backend, tiny_runner.layout, namespace=uuid.uuid4().hex, chunk_tokens=32,
-                            subset_min_fraction=2.0)
+        store = FullKVStore(
+            backend, tiny_runner.layout, namespace=uuid.uuid4().hex, chunk_tokens=32, subset_min_fraction=2.0
+        )
         holder["store"] = store
-        res = generate_vericache(tiny_runner, pre, parse_spec(SPEC), store,
-                                 GenerationConfig(max_new_tokens=NEW, horizon=6, keep_logits=True),
-                                 on_commit=after_commits(2, hurt))
+        res = generate_vericache(
+            tiny_runner,
+            pre,
+            parse_spec(SPEC),
+            store,
+            GenerationConfig(max_new_tokens=NEW, horizon=6, keep_logits=True),
+            on_commit=after_commits(2, hurt),
+        )
         cmp = compare(ref, res)
         exactness(f"tiny greedy, redis chunk damaged ({damage}), recompute", cmp)
         assert cmp["identical"] and res.stats.store_fallbacks == 1

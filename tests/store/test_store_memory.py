@@ -18,8 +18,10 @@ def layout(dtype=torch.float32, model="m@1"):
 
 def kv_span(lay: KVLayout, n: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, n, 8, generator=g).to(lay.dtype), torch.randn(2, n, 8, generator=g).to(lay.dtype))
-            for _ in range(lay.num_layers)]
+    return [
+        (torch.randn(2, n, 8, generator=g).to(lay.dtype), torch.randn(2, n, 8, generator=g).to(lay.dtype))
+        for _ in range(lay.num_layers)
+    ]
 
 
 def fetch_all(req, upto=None):

@@ -43,8 +43,9 @@ class Trajectory:
             raise ValueError("the reference needs keep_logits=True")
         g, p = reference.tokens, len(pre.tokens)
         ctx = ResidentKV.from_full(pre.kv, p + len(g))
-        out = runner.forward([Segment(g[:-1], list(range(p, p + len(g) - 1)), ctx, logits="none",
-                                      keep_queries=len(g) - 1)])[0]
+        out = runner.forward(
+            [Segment(g[:-1], list(range(p, p + len(g) - 1)), ctx, logits="none", keep_queries=len(g) - 1)]
+        )[0]
         return cls(list(g), list(reference.logits), out.kv, out.queries)
 
 
@@ -79,15 +80,15 @@ class MatchLengths:
             g, p = self.traj.tokens, len(self.pre.tokens)
             self._fold_upto(c - 1)
             n = min(MAX_WINDOW, len(g) - c)
-            out = self.runner.forward([Segment(g[c - 1 : c - 1 + n], list(range(p + c - 1, p + c - 1 + n)),
-                                               DraftKV(self.ckv))])[0]
+            out = self.runner.forward(
+                [Segment(g[c - 1 : c - 1 + n], list(range(p + c - 1, p + c - 1 + n)), DraftKV(self.ckv))]
+            )[0]
             drafts = out.logits.argmax(dim=-1).tolist()
             self.cache[c] = next((j for j in range(n) if drafts[j] != g[c + j]), n)
         return self.cache[c]
 
 
-def simulate(match: Callable[[int], int], n_tokens: int,
-             horizon: int | Callable[[list[int], list[int]], int]) -> dict:
+def simulate(match: Callable[[int], int], n_tokens: int, horizon: int | Callable[[list[int], list[int]], int]) -> dict:
     """Windows of a static horizon (or a policy: drafted and accepted so far -> next horizon) along
     a trajectory of ``n_tokens``: the engine's statistics, from ``match``."""
     c, drafted, accepted, committed = 1, [], [], []
@@ -104,10 +105,15 @@ def simulate(match: Callable[[int], int], n_tokens: int,
 
 def window_stats(drafted: list[int], accepted: list[int], committed: list[int]) -> dict:
     """The engine's statistics from its windows' drafted, accepted and committed tokens."""
-    return {"windows": len(committed), "drafted": sum(drafted), "accepted": sum(accepted),
-            "mean_accepted_length": sum(committed) / len(committed) if committed else 0.0,
-            "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else 0.0, "committed": committed,
-            "horizons": drafted}
+    return {
+        "windows": len(committed),
+        "drafted": sum(drafted),
+        "accepted": sum(accepted),
+        "mean_accepted_length": sum(committed) / len(committed) if committed else 0.0,
+        "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else 0.0,
+        "committed": committed,
+        "horizons": drafted,
+    }
 
 
 def throughput(stats: dict, cost: WindowCost) -> float:
@@ -137,8 +143,7 @@ def kl_curve(runner: ModelRunner, pre: Prefill, traj: Trajectory, compressor: Co
     p, out = len(pre.tokens), [0.0]  # step 0 comes from the shared exact prefill
     keep = int(compressor.update_queries)
     for t in range(len(traj.tokens) - 1):
-        step = runner.forward([Segment([traj.tokens[t]], [p + t], DraftKV(ckv), logits="last",
-                                       keep_queries=keep)])[0]
+        step = runner.forward([Segment([traj.tokens[t]], [p + t], DraftKV(ckv), logits="last", keep_queries=keep)])[0]
         compressor.commit(ckv, step.kv, torch.tensor([p + t]), step.queries)
         full = traj.logits[t + 1].float().log_softmax(-1)
         lossy = step.logits[0].float().log_softmax(-1)
@@ -157,8 +162,13 @@ class WindowReplay:
     lookup_accepted: int
 
 
-def replay_window(truth: list[int], model: list[int] | None, propose: Callable[[int, int], Proposal | None],
-                  x: int, lookup: LookupParams | None) -> WindowReplay:
+def replay_window(
+    truth: list[int],
+    model: list[int] | None,
+    propose: Callable[[int, int], Proposal | None],
+    x: int,
+    lookup: LookupParams | None,
+) -> WindowReplay:
     """The drafting policy of ``engine/request.py`` over one window of horizon ``x``: ``truth[j]``
     is the trajectory's token at draft ``j``, ``model[j]`` the compressed KV's prediction there
     (teacher-forced; None: prompt lookup alone), ``propose(j, room)`` the lookup at draft ``j``."""
@@ -191,12 +201,23 @@ def replay_window(truth: list[int], model: list[int] | None, propose: Callable[[
             j += len(chain)
             forwards += model is not None and (j < x or (len(chain) > 1 and not trusted))
     accepted = next((i for i, (t, _) in enumerate(drafts) if t != truth[i]), len(drafts))
-    return WindowReplay(accepted, len(drafts), forwards, sum(s == "lookup" for _, s in drafts),
-                        sum(s == "lookup" for _, s in drafts[:accepted]))
+    return WindowReplay(
+        accepted,
+        len(drafts),
+        forwards,
+        sum(s == "lookup" for _, s in drafts),
+        sum(s == "lookup" for _, s in drafts[:accepted]),
+    )
 
 
-def replay(runner: ModelRunner, pre: Prefill, traj: Trajectory, compressor: Compressor, horizon: int,
-           n_tokens: int | None = None) -> dict:
+def replay(
+    runner: ModelRunner,
+    pre: Prefill,
+    traj: Trajectory,
+    compressor: Compressor,
+    horizon: int,
+    n_tokens: int | None = None,
+) -> dict:
     """Windows of a static horizon along the trajectory, as the engine runs them, for the drafting
     that depends on where windows fall: verification-guided refresh (rows re-chosen by each
     verification's committed queries) and prompt lookup (the index holds the committed tokens).
@@ -217,9 +238,11 @@ def replay(runner: ModelRunner, pre: Prefill, traj: Trajectory, compressor: Comp
         x = max(0, min(horizon, n - c - 1))
         predicted = None
         if model and x:
-            out = runner.forward([Segment(g[c - 1 : c - 1 + x], list(range(p + c - 1, p + c - 1 + x)),
-                                          DraftKV(ckv))])[0]
+            out = runner.forward([Segment(g[c - 1 : c - 1 + x], list(range(p + c - 1, p + c - 1 + x)), DraftKV(ckv))])[
+                0
+            ]
             predicted = out.logits.argmax(dim=-1).tolist()
+
         def propose(j: int, room: int, c: int = c) -> Proposal | None:
             tail = history[max(0, p + c + j - lookup.max_ngram) : p + c + j]
             return index.propose(tail, p + c, room)
@@ -232,14 +255,19 @@ def replay(runner: ModelRunner, pre: Prefill, traj: Trajectory, compressor: Comp
         queries = [q[:, a:b] for q in traj.queries] if keep_q else None
         compressor.commit(ckv, exact, torch.arange(p + a, p + b), queries)
         if compressor.refreshes:
-            full = [[(pk, pv), (k[:, :a], v[:, :a]), (k[:, a:b], v[:, a:b])]
-                    for (pk, pv), (k, v) in zip(pre.kv.layers, traj.kv, strict=True)]
+            full = [
+                [(pk, pv), (k[:, :a], v[:, :a]), (k[:, a:b], v[:, a:b])]
+                for (pk, pv), (k, v) in zip(pre.kv.layers, traj.kv, strict=True)
+            ]
             compressor.refresh(ckv, full, queries)
         if index is not None:
             index.extend(g[c : c + t])
         c += t
-    stats = window_stats([w.drafted for w in windows], [w.accepted for w in windows],
-                         [w.accepted + 1 for w in windows])
-    return {**stats, "forwards": [w.forwards for w in windows], "compressed_kv_bytes": compressed_bytes,
-            "lookup_drafted": sum(w.lookup_drafted for w in windows),
-            "lookup_accepted": sum(w.lookup_accepted for w in windows)}
+    stats = window_stats([w.drafted for w in windows], [w.accepted for w in windows], [w.accepted + 1 for w in windows])
+    return {
+        **stats,
+        "forwards": [w.forwards for w in windows],
+        "compressed_kv_bytes": compressed_bytes,
+        "lookup_drafted": sum(w.lookup_drafted for w in windows),
+        "lookup_accepted": sum(w.lookup_accepted for w in windows),
+    }

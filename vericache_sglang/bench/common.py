@@ -50,8 +50,18 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot_lines(path: Path, rows: list[dict], x: str, series: str, where: Callable[[dict], bool], xlabel: str,
-               title: str, y: str = "throughput_tok_s", ylabel: str = "tokens/s", logx: bool = False) -> None:
+def plot_lines(
+    path: Path,
+    rows: list[dict],
+    x: str,
+    series: str,
+    where: Callable[[dict], bool],
+    xlabel: str,
+    title: str,
+    y: str = "throughput_tok_s",
+    ylabel: str = "tokens/s",
+    logx: bool = False,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

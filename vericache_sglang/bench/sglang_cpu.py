@@ -35,10 +35,11 @@ from vericache_sglang.bench.sglang_server import (
 
 
 def _loads(cfg: dict) -> dict[str, list[Ask]]:
-    prompts = {name: document_prompt(name, cfg["prompt_tokens"]) for load in cfg["loads"].values()
-               for name, _ in load}
-    return {label: [Ask(prompts[name], kind, max_tokens=cfg["max_tokens"]) for name, kind in load]
-            for label, load in cfg["loads"].items()}
+    prompts = {name: document_prompt(name, cfg["prompt_tokens"]) for load in cfg["loads"].values() for name, _ in load}
+    return {
+        label: [Ask(prompts[name], kind, max_tokens=cfg["max_tokens"]) for name, kind in load]
+        for label, load in cfg["loads"].items()
+    }
 
 
 def _vericache_config(cfg: dict, mode: str, store_url: str | None, compressor: str | None = None) -> dict:
@@ -58,27 +59,41 @@ def _measure(server: SGLangServer, loads: dict[str, list[Ask]], reference: dict 
         before = server.metrics()
         result = run_load(server, questions)
         tokens = sum(a.completion_tokens or 0 for a in result.answers)
-        row = {"server": name, "load": label, "requests": len(questions), "completion_tokens": tokens,
-               "seconds": round(result.seconds, 2), "tokens_per_s": tokens / result.seconds,
-               "peak_kv_tokens": int(result.peak_tokens),
-               "mean_accepted_length": None, "draft_passes_per_step": None, "lookup_share": None}
+        row = {
+            "server": name,
+            "load": label,
+            "requests": len(questions),
+            "completion_tokens": tokens,
+            "seconds": round(result.seconds, 2),
+            "tokens_per_s": tokens / result.seconds,
+            "peak_kv_tokens": int(result.peak_tokens),
+            "mean_accepted_length": None,
+            "draft_passes_per_step": None,
+            "lookup_share": None,
+        }
         if name != "stock":
             after = server.metrics()
             grown = partial(metric_growth, after, before)
             steps, drafted = grown("vericache_step_seconds_count"), grown("vericache_drafted_tokens_total")
-            row.update(mean_accepted_length=accepted_length(after, before),
-                       draft_passes_per_step=grown("vericache_draft_passes_total") / steps if steps else None,
-                       lookup_share=grown("vericache_lookup_drafted_tokens_total") / drafted if drafted else None)
+            row.update(
+                mean_accepted_length=accepted_length(after, before),
+                draft_passes_per_step=grown("vericache_draft_passes_total") / steps if steps else None,
+                lookup_share=grown("vericache_lookup_drafted_tokens_total") / drafted if drafted else None,
+            )
         if reference is not None:
             ref = reference[label]
-            row["identical"] = sum(a.text == b.text and a.finish_reason == b.finish_reason
-                                   for a, b in zip(ref, result.answers, strict=True))
+            row["identical"] = sum(
+                a.text == b.text and a.finish_reason == b.finish_reason
+                for a, b in zip(ref, result.answers, strict=True)
+            )
         else:
             reference_answers = result.answers
             row["identical"] = len(questions)
             row["_answers"] = reference_answers
-        log(f"  {name:>16} {label:>12}: {row['tokens_per_s']:.2f} tok/s, peak {row['peak_kv_tokens']} KV tokens, "
-            f"accepted {row['mean_accepted_length'] or '-'}, identical {row['identical']}/{len(questions)}")
+        log(
+            f"  {name:>16} {label:>12}: {row['tokens_per_s']:.2f} tok/s, peak {row['peak_kv_tokens']} KV tokens, "
+            f"accepted {row['mean_accepted_length'] or '-'}, identical {row['identical']}/{len(questions)}"
+        )
         rows.append(row)
     return rows
 
@@ -90,9 +105,24 @@ def _store_server(logs: Path) -> Iterator[str]:
     (logs / "store.token").write_text(token)
     port_file = logs / "store.port"
     with open(logs / "store.log", "ab") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "remote_store.server", "--listen", "127.0.0.1:0",
-                                 "--capacity-bytes", str(4 << 30), "--auth-token-file", str(logs / "store.token"),
-                                 "--port-file", str(port_file)], cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "remote_store.server",
+                "--listen",
+                "127.0.0.1:0",
+                "--capacity-bytes",
+                str(4 << 30),
+                "--auth-token-file",
+                str(logs / "store.token"),
+                "--port-file",
+                str(port_file),
+            ],
+            cwd=REPO,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 60
             while not port_file.exists() or not port_file.read_text().strip():
@@ -122,8 +152,12 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
         for compressor in compressors:
             for mode in cfg["modes"]:
                 name = f"vericache {mode}" if len(compressors) == 1 else f"vericache {mode} {compressor}"
-                server = SGLangServer(logs, f"vericache-{mode}-{compressors.index(compressor)}", *cfg["server_args"],
-                                      vericache=_vericache_config(cfg, mode, store_url, compressor))
+                server = SGLangServer(
+                    logs,
+                    f"vericache-{mode}-{compressors.index(compressor)}",
+                    *cfg["server_args"],
+                    vericache=_vericache_config(cfg, mode, store_url, compressor),
+                )
                 try:
                     rows += _measure(server, loads, reference, name, log)
                 finally:
@@ -138,11 +172,25 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
         out.mkdir(parents=True, exist_ok=True)
         stem = cfg.get("stem", "sglang_cpu") + ("_quick" if quick else "")
         (out / f"{stem}.json").write_text(json.dumps(summary, indent=2))
-        cols = ["server", "load", "requests", "tokens_per_s", "vs_stock", "mean_accepted_length",
-                "draft_passes_per_step", "lookup_share", "peak_kv_tokens", "kv_vs_stock", "identical",
-                "completion_tokens", "seconds"]
-        (out / f"{stem}.md").write_text(f"# SGLang on this CPU: stock against VeriCache\n\nConfig: "
-                                        f"`{json.dumps(summary['config'])}`\n\n{table(rows, cols)}\n")
+        cols = [
+            "server",
+            "load",
+            "requests",
+            "tokens_per_s",
+            "vs_stock",
+            "mean_accepted_length",
+            "draft_passes_per_step",
+            "lookup_share",
+            "peak_kv_tokens",
+            "kv_vs_stock",
+            "identical",
+            "completion_tokens",
+            "seconds",
+        ]
+        (out / f"{stem}.md").write_text(
+            f"# SGLang on this CPU: stock against VeriCache\n\nConfig: "
+            f"`{json.dumps(summary['config'])}`\n\n{table(rows, cols)}\n"
+        )
         _plot(out / f"{stem}.png", rows)
     return summary
 

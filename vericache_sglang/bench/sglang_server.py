@@ -28,8 +28,15 @@ REPO = Path(__file__).resolve().parents[2]
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32")
 # A small pool keeps several servers within a 24 GiB machine; --sleep-on-idle keeps an idle
 # scheduler from spinning a core; stats every step keep the token-usage gauge current.
-SMALL_SERVER_ARGS = ("--max-total-tokens", "16384", "--sleep-on-idle", "--decode-log-interval", "1",
-                     "--enable-metrics", "--enable-cache-report")
+SMALL_SERVER_ARGS = (
+    "--max-total-tokens",
+    "16384",
+    "--sleep-on-idle",
+    "--decode-log-interval",
+    "1",
+    "--enable-metrics",
+    "--enable-cache-report",
+)
 
 
 def free_port() -> int:
@@ -45,8 +52,17 @@ def model_dir() -> str:
 
 
 def launch_command(port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir(), *CPU_ARGS,
-            "--port", str(port), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_dir(),
+        *CPU_ARGS,
+        "--port",
+        str(port),
+        *extra,
+    ]
 
 
 def cpu_env() -> dict[str, str]:
@@ -56,8 +72,16 @@ def cpu_env() -> dict[str, str]:
 class SGLangServer:
     """One ``sglang.launch_server`` process (and the scheduler and detokenizer it spawns)."""
 
-    def __init__(self, log_dir: Path, name: str, *extra: str, vericache: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None, start_timeout: float = 300.0, wait: bool = True):
+    def __init__(
+        self,
+        log_dir: Path,
+        name: str,
+        *extra: str,
+        vericache: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 300.0,
+        wait: bool = True,
+    ):
         """Launch it; with ``wait`` (the default) return once it is healthy, else call ``wait_healthy``
         (servers started together load their models side by side)."""
         self.name = name
@@ -68,8 +92,14 @@ class SGLangServer:
         self.command = launch_command(self.port, *args)
         self.log_path = log_dir / f"{name}.log"
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command, cwd=REPO, env={**cpu_env(), **(env or {})}, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command,
+            cwd=REPO,
+            env={**cpu_env(), **(env or {})},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self._started = time.monotonic()
         self._healthy = False
         if wait:
@@ -100,7 +130,8 @@ class SGLangServer:
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(line for line in text if "Ignore import error" not in line and "server_args=" not in line)[
-            -lines * 200:]
+            -lines * 200 :
+        ]
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -112,8 +143,9 @@ class SGLangServer:
 
     def generate(self, input_ids: list[int], sampling: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
         """SGLang's native ``/generate`` on token ids: ``output_ids`` and ``meta_info``."""
-        r = httpx.post(f"{self.url}/generate", json={"input_ids": input_ids, "sampling_params": sampling},
-                       timeout=timeout)
+        r = httpx.post(
+            f"{self.url}/generate", json={"input_ids": input_ids, "sampling_params": sampling}, timeout=timeout
+        )
         r.raise_for_status()
         return r.json()
 
@@ -191,8 +223,9 @@ def ask(server: SGLangServer, q: Ask) -> Answer:
     if q.kind == "completion":
         if q.stream:
             text, finish = "", None
-            for chunk in client.completions.create(model=MODEL, prompt=q.prompt, max_tokens=q.max_tokens, stream=True,
-                                                   **params):
+            for chunk in client.completions.create(
+                model=MODEL, prompt=q.prompt, max_tokens=q.max_tokens, stream=True, **params
+            ):
                 text += chunk.choices[0].text
                 finish = chunk.choices[0].finish_reason or finish
             return Answer(text, finish)
@@ -202,8 +235,9 @@ def ask(server: SGLangServer, q: Ask) -> Answer:
     messages = ([{"role": "system", "content": q.system}] if q.system else []) + [{"role": "user", "content": q.prompt}]
     if q.stream:
         text, finish = "", None
-        for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=q.max_tokens,
-                                                    stream=True, **params):
+        for chunk in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=q.max_tokens, stream=True, **params
+        ):
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""
                 finish = chunk.choices[0].finish_reason or finish
@@ -223,7 +257,6 @@ def ask_all(server: SGLangServer, questions: list[Ask]) -> list[Answer]:
     """All at once (they run as one continuous batch on the server)."""
     with cf.ThreadPoolExecutor(len(questions)) as pool:
         return list(pool.map(lambda q: ask(server, q), questions))
-
 
 
 @dataclass

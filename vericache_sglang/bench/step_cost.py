@@ -34,8 +34,18 @@ from vericache_sglang.engine.runner import DraftKV, ModelRunner, ResidentKV, Seg
 OP_GROUPS = (  # first match wins
     ("weight GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
     ("attention", ("scaled_dot_product", "flash_attention")),
-    ("dequantization", ("aten::embedding", "aten::index_select", "aten::bitwise", "aten::__rshift__",
-                        "aten::__and__", "aten::mul_", "aten::add_")),
+    (
+        "dequantization",
+        (
+            "aten::embedding",
+            "aten::index_select",
+            "aten::bitwise",
+            "aten::__rshift__",
+            "aten::__and__",
+            "aten::mul_",
+            "aten::add_",
+        ),
+    ),
     ("KV copies", ("aten::cat", "aten::copy_", "aten::index", "aten::gather")),
 )
 
@@ -78,14 +88,25 @@ class StepPoint:
         layout, dev = runner.layout, runner.device
         g = torch.Generator(device="cpu").manual_seed(seed)
         shape = (layout.num_kv_heads, context, layout.head_dim)
-        base = FullKV(layout, [(torch.randn(shape, generator=g).to(dev, layout.dtype),
-                                torch.randn(shape, generator=g).to(dev, layout.dtype))
-                               for _ in range(layout.num_layers)])
+        base = FullKV(
+            layout,
+            [
+                (
+                    torch.randn(shape, generator=g).to(dev, layout.dtype),
+                    torch.randn(shape, generator=g).to(dev, layout.dtype),
+                )
+                for _ in range(layout.num_layers)
+            ],
+        )
         self.runner, self.context, self.batch = runner, context, batch
         self.resident = [ResidentKV.from_full(base, context + 64, dev) for _ in range(batch)]  # each its own
         self.full = [r.to_full() for r in self.resident]
-        self.obs = Observation(queries=[torch.randn(runner.num_heads, 64, layout.head_dim, generator=g)
-                                        .to(dev, layout.dtype) for _ in range(layout.num_layers)])
+        self.obs = Observation(
+            queries=[
+                torch.randn(runner.num_heads, 64, layout.head_dim, generator=g).to(dev, layout.dtype)
+                for _ in range(layout.num_layers)
+            ]
+        )
 
     @property
     def full_kv_bytes(self) -> int:
@@ -99,6 +120,7 @@ class StepPoint:
             self.runner.forward([Segment([1], [self.context], r, logits="last") for r in empty])
             for r in empty:
                 r.truncate(0)
+
         return step
 
     def full_step(self) -> Callable[[], None]:
@@ -106,6 +128,7 @@ class StepPoint:
             self.runner.forward([Segment([1], [self.context], r, logits="last") for r in self.resident])
             for r in self.resident:
                 r.truncate(self.context)
+
         return step
 
     def draft_step(self, spec: str) -> tuple[Callable[[], None], int]:
@@ -114,6 +137,7 @@ class StepPoint:
 
         def step() -> None:
             self.runner.forward([Segment([1], [self.context], DraftKV(c), logits="last") for c in ckvs])
+
         return step, sum(c.nbytes for c in ckvs)
 
     def verify_step(self, x: int) -> Callable[[], None]:
@@ -122,8 +146,13 @@ class StepPoint:
         feeds = [ResidentFeed.of_resident(r) for r in self.resident]
 
         def step() -> None:
-            self.runner.forward([Segment([1] * (x + 1), list(range(self.context, self.context + x + 1)),
-                                         StreamedKV(feed)) for feed in feeds])
+            self.runner.forward(
+                [
+                    Segment([1] * (x + 1), list(range(self.context, self.context + x + 1)), StreamedKV(feed))
+                    for feed in feeds
+                ]
+            )
+
         return step
 
 
@@ -132,8 +161,10 @@ def _iterations(point: StepPoint, cfg: dict) -> list[tuple[str, str, Callable[[]
     bytes it reads). Built one at a time and dropped after timing: twelve 8k-token requests'
     compressed KVs of every compressor at once would not fit this machine's memory."""
     full_bytes = point.full_kv_bytes
-    kinds = [("weights pass", "weights", lambda: (point.weights_step(), 0)),
-             ("full decode", "full", lambda: (point.full_step(), full_bytes))]
+    kinds = [
+        ("weights pass", "weights", lambda: (point.weights_step(), 0)),
+        ("full decode", "full", lambda: (point.full_step(), full_bytes)),
+    ]
     for template in cfg["drafts"]:
         # {eighth}/{quarter}: a window of that share of the context (positional droppers)
         spec = template.format(eighth=point.context // 8 - 4, quarter=point.context // 4 - 4)
@@ -155,11 +186,21 @@ def _measure(point: StepPoint, cfg: dict, weights: int, bw: float, profile: bool
             full_ms = ms
         if kind == "weights":
             weights_ms = ms
-        row = {"iteration": name, "kind": kind, "context": point.context, "batch": point.batch, "ms": ms,
-               "ms_min": 1e3 * times[0], "read_mb": read / 1e6, "kv_mb": kv_bytes / 1e6,
-               "kv_fraction": kv_bytes / full_bytes, "byte_ms": byte_ms, "over_bytes": ms / byte_ms,
-               "achieved_gb_s": read / ms / 1e6,
-               "predicted_from_full_ms": full_ms * read / (weights + full_bytes) if kind == "draft" else None}
+        row = {
+            "iteration": name,
+            "kind": kind,
+            "context": point.context,
+            "batch": point.batch,
+            "ms": ms,
+            "ms_min": 1e3 * times[0],
+            "read_mb": read / 1e6,
+            "kv_mb": kv_bytes / 1e6,
+            "kv_fraction": kv_bytes / full_bytes,
+            "byte_ms": byte_ms,
+            "over_bytes": ms / byte_ms,
+            "achieved_gb_s": read / ms / 1e6,
+            "predicted_from_full_ms": full_ms * read / (weights + full_bytes) if kind == "draft" else None,
+        }
         if row["predicted_from_full_ms"] is not None:
             row["over_full_prediction"] = ms / row["predicted_from_full_ms"]
         if kv_bytes:  # the step beyond the weights' pass, against the KV's own bytes
@@ -187,8 +228,10 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
                 rows.append(row)
                 if prof is not None:
                     profiles[row["iteration"]] = prof
-                log(f"ctx {context:>5} batch {batch:>2} {row['iteration']:<40} {row['ms']:8.1f} ms  "
-                    f"bytes {row['byte_ms']:7.1f} ms  x{row['over_bytes']:.2f}")
+                log(
+                    f"ctx {context:>5} batch {batch:>2} {row['iteration']:<40} {row['ms']:8.1f} ms  "
+                    f"bytes {row['byte_ms']:7.1f} ms  x{row['over_bytes']:.2f}"
+                )
             del point
             log(f"  (point ctx {context} batch {batch} took {time.monotonic() - t:.0f} s)")
     summary = _summary(cfg, rows, probe, weights)
@@ -199,35 +242,68 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
 
 def _summary(cfg: dict, rows: list[dict], probe, weights: int) -> dict:
     def at(name: str) -> dict | None:
-        return next((r for r in rows if r["iteration"] == name and r["context"] == cfg["check_at"][0]
-                     and r["batch"] == cfg["check_at"][1]), None)
+        return next(
+            (
+                r
+                for r in rows
+                if r["iteration"] == name and r["context"] == cfg["check_at"][0] and r["batch"] == cfg["check_at"][1]
+            ),
+            None,
+        )
 
     names = ["weights pass", "full decode", *(f"draft {s}" for s in cfg["drafts"])]
     check = {name: (round(r["over_bytes"], 3) if r else None) for name in names for r in [at(name)]}
     kv_check = {name: (round(r["kv_over_bytes"], 3) if r else None) for name in names[1:] for r in [at(name)]}
-    return {"memory_probe": probe.to_dict(), "memory_probe_text": probe.describe(), "weights_bytes": weights,
-            "check_at": cfg["check_at"], "over_bytes_at_check": check, "kv_over_bytes_at_check": kv_check,
-            "points": len(rows)}
+    return {
+        "memory_probe": probe.to_dict(),
+        "memory_probe_text": probe.describe(),
+        "weights_bytes": weights,
+        "check_at": cfg["check_at"],
+        "over_bytes_at_check": check,
+        "kv_over_bytes_at_check": kv_check,
+        "points": len(rows),
+    }
 
 
 def _write(out_dir: Path, cfg: dict, rows: list[dict], profiles: dict, summary: dict, quick: bool) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "step_cost_quick" if quick else "step_cost"
-    (out_dir / f"{stem}.json").write_text(json.dumps({"config": cfg, "rows": rows, "profiles": profiles,
-                                                      "summary": summary}, indent=2))
-    cols = ["iteration", "context", "batch", "kv_fraction", "ms", "read_mb", "byte_ms", "over_bytes", "achieved_gb_s",
-            "over_full_prediction", "kv_ms", "kv_over_bytes"]
+    (out_dir / f"{stem}.json").write_text(
+        json.dumps({"config": cfg, "rows": rows, "profiles": profiles, "summary": summary}, indent=2)
+    )
+    cols = [
+        "iteration",
+        "context",
+        "batch",
+        "kv_fraction",
+        "ms",
+        "read_mb",
+        "byte_ms",
+        "over_bytes",
+        "achieved_gb_s",
+        "over_full_prediction",
+        "kv_ms",
+        "kv_over_bytes",
+    ]
     groups = [g for g, _ in OP_GROUPS] + ["other ops"]
-    prof_rows = [{"iteration": name, **{g: round(p.get(g, 0.0), 1) for g in groups},
-                  "total": round(sum(p.values()), 1)} for name, p in profiles.items()]
+    prof_rows = [
+        {"iteration": name, **{g: round(p.get(g, 0.0), 1) for g in groups}, "total": round(sum(p.values()), 1)}
+        for name, p in profiles.items()
+    ]
     ctx, batch = cfg["profile_at"]
-    md = [f"Step cost on `{cfg['model']}` ({cfg['threads']} threads, {cfg.get('device', 'cpu')}): "
-          f"ms per iteration (median of {cfg['repeats']}) against the bytes it reads (weights "
-          f"{summary['weights_bytes'] / 1e6:.0f} MB + the KV attended) at the measured memory bandwidth: "
-          f"{summary['memory_probe_text']}. `over_bytes` = ms / byte time; `over_full_prediction` = a "
-          "draft step against the full step scaled by their bytes.", "", table(rows, cols), "",
-          f"Where a step's time goes (ms of one step, profiler self time by op group, context {ctx}, "
-          f"batch {batch}):", "", table(prof_rows, ["iteration", *groups, "total"])]
+    md = [
+        f"Step cost on `{cfg['model']}` ({cfg['threads']} threads, {cfg.get('device', 'cpu')}): "
+        f"ms per iteration (median of {cfg['repeats']}) against the bytes it reads (weights "
+        f"{summary['weights_bytes'] / 1e6:.0f} MB + the KV attended) at the measured memory bandwidth: "
+        f"{summary['memory_probe_text']}. `over_bytes` = ms / byte time; `over_full_prediction` = a "
+        "draft step against the full step scaled by their bytes.",
+        "",
+        table(rows, cols),
+        "",
+        f"Where a step's time goes (ms of one step, profiler self time by op group, context {ctx}, batch {batch}):",
+        "",
+        table(prof_rows, ["iteration", *groups, "total"]),
+    ]
     (out_dir / f"{stem}.md").write_text("\n".join(md) + "\n")
     _plot(out_dir / f"{stem}.png", rows, cfg)
 
@@ -244,8 +320,9 @@ def _plot(path: Path, rows: list[dict], cfg: dict) -> None:
         ax.set_prop_cycle(color=plt.cm.tab20.colors)  # a dozen series, none sharing a colour
         ax.set_yscale("log")
         for name in dict.fromkeys(r["iteration"] for r in rows):
-            pts = sorted((r["batch"], r["over_bytes"]) for r in rows
-                         if r["iteration"] == name and r["context"] == context)
+            pts = sorted(
+                (r["batch"], r["over_bytes"]) for r in rows if r["iteration"] == name and r["context"] == context
+            )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_title(f"context {context}")

@@ -40,10 +40,21 @@ class DraftWindow:
     ``forget(n)`` drops the window KV's last ``n`` tokens; ``grammar``, when given, is walked along
     the drafts (the caller rolls it back by ``grammar_walked`` after verification)."""
 
-    def __init__(self, x: int, base_position: int, unfed: Sequence[int], sampler: Sampler, rejection: bool,
-                 eos_ids: Sequence[int], vocab_size: int, forget: Callable[[int], None],
-                 lookup: LookupParams | None = None, index: NgramIndex | None = None, grammar: Grammar | None = None,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        x: int,
+        base_position: int,
+        unfed: Sequence[int],
+        sampler: Sampler,
+        rejection: bool,
+        eos_ids: Sequence[int],
+        vocab_size: int,
+        forget: Callable[[int], None],
+        lookup: LookupParams | None = None,
+        index: NgramIndex | None = None,
+        grammar: Grammar | None = None,
+        device: torch.device | str = "cpu",
+    ):
         if lookup is not None and index is None:
             raise ValueError("a lookup window needs the committed tokens' n-gram index")
         self.x, self.base = x, base_position

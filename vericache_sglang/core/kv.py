@@ -52,10 +52,7 @@ class KVLayout:
         return self.num_layers * self.bytes_per_token_layer
 
     def describe(self) -> str:
-        return (
-            f"{self.model_id}|L{self.num_layers}|H{self.num_kv_heads}|D{self.head_dim}|"
-            f"{dtype_name(self.dtype)}"
-        )
+        return f"{self.model_id}|L{self.num_layers}|H{self.num_kv_heads}|D{self.head_dim}|{dtype_name(self.dtype)}"
 
     def digest(self) -> str:
         """A short stable digest of the layout (model identity included), for store keys."""
@@ -141,8 +138,9 @@ class CompressedLayer(ABC):
         """Bytes held past the content as room for appends and draft rows (not in ``nbytes``)."""
         return 0
 
-    def read_with_drafts(self, offset: int, k: torch.Tensor, v: torch.Tensor,
-                         query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def read_with_drafts(
+        self, offset: int, k: torch.Tensor, v: torch.Tensor, query: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What a draft window's new tokens attend to, this layer's keys/values followed by the
         window's own (``offset`` written before, then ``k``/``v`` ``[kv_heads, n, head_dim]``),
         written in place into room after this layer's rows; None where the layer keeps no such

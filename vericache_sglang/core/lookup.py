@@ -46,8 +46,10 @@ class LookupParams:
 
     @property
     def spec(self) -> str:
-        return (f"lookup:min_ngram={self.min_ngram},max_ngram={self.max_ngram},max_tokens={self.max_tokens},"
-                f"trust={self.trust},model={self.model}")
+        return (
+            f"lookup:min_ngram={self.min_ngram},max_ngram={self.max_ngram},max_tokens={self.max_tokens},"
+            f"trust={self.trust},model={self.model}"
+        )
 
     def trusted(self, match: int) -> bool:
         return self.trust > 0 and match >= self.trust

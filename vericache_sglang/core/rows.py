@@ -25,6 +25,7 @@ def in_inference_mode(fn: F) -> F:
     """Run ``fn`` in inference mode, entering it only where the caller has not: these run per
     layer per request per step, and ``torch.inference_mode()`` as a decorator costs more than
     a small copy."""
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if torch.is_inference_mode_enabled():

@@ -43,8 +43,15 @@ class Reservation:
 
 
 class StaggeredScheduler:
-    def __init__(self, window: int, iteration_s: float, link_bytes_s: float, memory_capacity: int,
-                 ema: float = 0.3, slack: float = 1.5):
+    def __init__(
+        self,
+        window: int,
+        iteration_s: float,
+        link_bytes_s: float,
+        memory_capacity: int,
+        ema: float = 0.3,
+        slack: float = 1.5,
+    ):
         if window < 2:
             raise ValueError(f"window must be >= 2 iterations, got {window}")
         self.window = window
@@ -93,8 +100,9 @@ class StaggeredScheduler:
         need = min(nbytes, self.memory_capacity)
         return all(self.memory[i % self.window] + need <= self.memory_capacity for i in range(start, verify + 1))
 
-    def _try(self, request_id: str, reload_bytes: int, device_bytes: int, anchor_gap: int,
-             earliest: int) -> Reservation | None:
+    def _try(
+        self, request_id: str, reload_bytes: int, device_bytes: int, anchor_gap: int, earliest: int
+    ) -> Reservation | None:
         span, per_iteration = self.reload_span(reload_bytes)
         lo = max(self.now + span, earliest)  # the reload starts at the earliest next iteration
         hi = self.now + self.window - 1
@@ -112,8 +120,14 @@ class StaggeredScheduler:
                 return res
         return None
 
-    def admit(self, request_id: str, reload_bytes: int, anchor_gap: int,
-              device_bytes: int | None = None, not_before: int | None = None) -> dict[str, Reservation]:
+    def admit(
+        self,
+        request_id: str,
+        reload_bytes: int,
+        anchor_gap: int,
+        device_bytes: int | None = None,
+        not_before: int | None = None,
+    ) -> dict[str, Reservation]:
         """Queue a request for a verification about ``anchor_gap`` iterations ahead, its reload
         moving ``reload_bytes`` over the link and holding ``device_bytes`` (default: as many) on
         the device, then admit what fits, oldest first: returns every reservation made now (the
@@ -124,8 +138,10 @@ class StaggeredScheduler:
             raise ValueError(f"request {request_id} already has a reservation")
         device_bytes = reload_bytes if device_bytes is None else device_bytes
         if reload_bytes <= 0 or device_bytes < 0:
-            raise ValueError(f"request {request_id}: a reload of {reload_bytes} link bytes and {device_bytes} "
-                             "device bytes (link bytes must be > 0, device bytes >= 0)")
+            raise ValueError(
+                f"request {request_id}: a reload of {reload_bytes} link bytes and {device_bytes} "
+                "device bytes (link bytes must be > 0, device bytes >= 0)"
+            )
         earliest = self.now if not_before is None else not_before
         self.waiting.append((request_id, reload_bytes, device_bytes, anchor_gap, earliest))
         return self.retry_waiting()

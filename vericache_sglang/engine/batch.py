@@ -42,8 +42,15 @@ from vericache_sglang.full_kv.store import FullKVStore
 
 
 class BatchEngine:
-    def __init__(self, runner: ModelRunner, store: FullKVStore, compressor: Compressor, batch: BatchConfig,
-                 gen: GenerationConfig, tokenizer: object | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        store: FullKVStore,
+        compressor: Compressor,
+        batch: BatchConfig,
+        gen: GenerationConfig,
+        tokenizer: object | None = None,
+    ):
         self.runner = runner
         self.store = store
         self.compressor = compressor
@@ -61,28 +68,50 @@ class BatchEngine:
         self._largest_reload = 0
         self._iteration_s: float | None = None  # the staggered scheduler's last estimate, kept across batches
 
-    def submit(self, pre: Prefill, request_id: str, gen: GenerationConfig | None = None,
-               compressor: Compressor | None = None, on_commit: Callable[[list[int]], None] | None = None,
-               on_done: Callable[[GenerationResult], None] | None = None,
-               on_error: Callable[[BaseException], None] | None = None) -> None:
+    def submit(
+        self,
+        pre: Prefill,
+        request_id: str,
+        gen: GenerationConfig | None = None,
+        compressor: Compressor | None = None,
+        on_commit: Callable[[list[int]], None] | None = None,
+        on_done: Callable[[GenerationResult], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         """Queue a prefilled request; ``gen`` and ``compressor`` default to the engine's."""
         if (gen or self.gen).constraint is not None and self.batch.mode != "vericache":
             raise ValueError(f"constrained decoding runs in the batch's 'vericache' mode, not {self.batch.mode!r}")
-        self._queue(Job(request_id, pre, gen or self.gen, compressor or self.compressor, on_commit, on_done,
-                        on_error))
+        self._queue(Job(request_id, pre, gen or self.gen, compressor or self.compressor, on_commit, on_done, on_error))
 
-    def submit_prefixed(self, prompt: list[int], prefix: RegisteredPrefix, request_id: str,
-                        gen: GenerationConfig | None = None, on_commit: Callable[[list[int]], None] | None = None,
-                        on_done: Callable[[GenerationResult], None] | None = None,
-                        on_error: Callable[[BaseException], None] | None = None) -> None:
+    def submit_prefixed(
+        self,
+        prompt: list[int],
+        prefix: RegisteredPrefix,
+        request_id: str,
+        gen: GenerationConfig | None = None,
+        on_commit: Callable[[list[int]], None] | None = None,
+        on_done: Callable[[GenerationResult], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         """Queue a request whose prompt starts with ``prefix``: no prefill, it drafts at once over a
         copy of the prefix's compressed KV (so it uses the prefix's compressor)."""
         if self.batch.mode != "vericache":
             raise ValueError(f"a request without a prefill needs mode 'vericache', not {self.batch.mode!r}")
-        if not (len(prefix.tokens) < len(prompt) and prompt[:len(prefix.tokens)] == prefix.tokens):
+        if not (len(prefix.tokens) < len(prompt) and prompt[: len(prefix.tokens)] == prefix.tokens):
             raise ValueError(f"request {request_id}: the prompt does not start with prefix {prefix.name!r}")
-        self._queue(Job(request_id, None, gen or self.gen, prefix.compressor, on_commit, on_done, on_error,
-                        prefix=prefix, prompt=list(prompt)))
+        self._queue(
+            Job(
+                request_id,
+                None,
+                gen or self.gen,
+                prefix.compressor,
+                on_commit,
+                on_done,
+                on_error,
+                prefix=prefix,
+                prompt=list(prompt),
+            )
+        )
 
     def _queue(self, job: Job) -> None:
         request_id = job.rid
@@ -99,8 +128,9 @@ class BatchEngine:
     def _compressed_reserve(self, job: Job) -> int:
         # the compressed prompt plus every committed token's exact K/V (what an online update appends)
         if job.compressed_bytes is None and job.prefix is not None:  # its own tokens, exact, until verified
-            job.compressed_bytes = job.prefix.compressed_kv_bytes + (len(job.prompt) - len(job.prefix.tokens)) * \
-                self.per_token
+            job.compressed_bytes = (
+                job.prefix.compressed_kv_bytes + (len(job.prompt) - len(job.prefix.tokens)) * self.per_token
+            )
         elif job.compressed_bytes is None:
             job.ckv = job.compressor.compress(job.pre.kv, job.pre.obs)
             job.compressed_bytes = job.ckv.nbytes
@@ -170,8 +200,9 @@ class BatchEngine:
         else:
             self.results[rid] = result
 
-    def _join(self, running: dict, used: int, reloads: Callable[[int, Job], int] | None = None,
-              limit: int | None = None) -> int:
+    def _join(
+        self, running: dict, used: int, reloads: Callable[[int, Job], int] | None = None, limit: int | None = None
+    ) -> int:
         """Move queued requests into the batch while their device bytes fit; return bytes in use.
         ``reloads(n, job)``: how many full-KV reloads must also fit once ``n`` requests run (a
         staggered batch), each as large as the largest request's."""
@@ -187,8 +218,10 @@ class BatchEngine:
                 if used + need + reserve > self.batch.kv_budget_bytes:
                     if running:
                         break  # it waits for room
-                    raise ValueError(f"request {job.rid} needs {need + reserve} device bytes; the budget is "
-                                     f"{self.batch.kv_budget_bytes}")
+                    raise ValueError(
+                        f"request {job.rid} needs {need + reserve} device bytes; the budget is "
+                        f"{self.batch.kv_budget_bytes}"
+                    )
                 with self._lock:
                     self.queue.popleft()
                 req = self._start(job)
@@ -211,15 +244,34 @@ class BatchEngine:
         mode, rid, pre = self.batch.mode, job.rid, job.pre
         job.pre = None  # the request keeps what it needs of the prefill; the job lives until it ends
         if mode == "vericache" and job.prefix is not None:
-            return VeriCacheRequest(self.runner, None, job.compressor, self.store, job.gen, self.tokenizer,
-                                    job.on_commit, request_id=rid,
-                                    recompute=functools.partial(recompute_full_kv, self.runner), prompt=job.prompt,
-                                    prefix_ckv=job.prefix.ckv.clone(), prefix_len=len(job.prefix.tokens))
+            return VeriCacheRequest(
+                self.runner,
+                None,
+                job.compressor,
+                self.store,
+                job.gen,
+                self.tokenizer,
+                job.on_commit,
+                request_id=rid,
+                recompute=functools.partial(recompute_full_kv, self.runner),
+                prompt=job.prompt,
+                prefix_ckv=job.prefix.ckv.clone(),
+                prefix_len=len(job.prefix.tokens),
+            )
         ckv, job.ckv = job.ckv, None
         if mode == "vericache":
-            return VeriCacheRequest(self.runner, pre, job.compressor, self.store, job.gen, self.tokenizer,
-                                    job.on_commit, request_id=rid,
-                                    recompute=functools.partial(recompute_full_kv, self.runner), ckv=ckv)
+            return VeriCacheRequest(
+                self.runner,
+                pre,
+                job.compressor,
+                self.store,
+                job.gen,
+                self.tokenizer,
+                job.on_commit,
+                request_id=rid,
+                recompute=functools.partial(recompute_full_kv, self.runner),
+                ckv=ckv,
+            )
         req = PlainRequest(rid, pre, job.gen, mode, self.tokenizer, job.compressor, job.on_commit)
         if mode == "full_resident":
             req.ctx = ResidentKV.from_full(pre.kv, len(pre.tokens) + job.gen.max_new_tokens, self.runner.device)
@@ -227,7 +279,7 @@ class BatchEngine:
             req.ckv = ckv if ckv is not None else job.compressor.compress(pre.kv, pre.obs)
         else:
             req.kv = self.store.open_request(pre.tokens, rid)
-            req.kv.extend_tokens(req.tokens[len(pre.tokens):])
+            req.kv.extend_tokens(req.tokens[len(pre.tokens) :])
             req.pending = (0, pre.kv.layers)
         return req
 
@@ -247,8 +299,9 @@ class BatchEngine:
                 elif self.batch.mode == "lossy":
                     ctx = DraftKV(req.ckv)
                 else:
-                    req.feed = FullKVFetch(req.kv, pos, layers, req.pending, req.cfg.fetch_timeout_s,
-                                           device=self.runner.device, room=1)
+                    req.feed = FullKVFetch(
+                        req.kv, pos, layers, req.pending, req.cfg.fetch_timeout_s, device=self.runner.device, room=1
+                    )
                     req.pending = None
                     ctx = StreamedKV(req.feed)
                 keep = int(self.batch.mode == "lossy" and req.compressor.update_queries)
@@ -300,8 +353,12 @@ class BatchEngine:
             used = self._finish_done(running, self._join(running, 0, reloads=lambda n, job: 1, limit=1))
             if running:
                 self._iteration_s = self._time_iteration(running)
-        sched = StaggeredScheduler(self.batch.window, iteration_s=self._iteration_s or 0.05,
-                                   link_bytes_s=self._link_estimate(), memory_capacity=self.batch.kv_budget_bytes)
+        sched = StaggeredScheduler(
+            self.batch.window,
+            iteration_s=self._iteration_s or 0.05,
+            link_bytes_s=self._link_estimate(),
+            memory_capacity=self.batch.kv_budget_bytes,
+        )
         reloads = functools.partial(self._reloads_needed, sched)
         used = self._finish_done(running, self._join(running, used, reloads=reloads))
         sched.set_memory_capacity(self.batch.kv_budget_bytes - used)
@@ -402,10 +459,14 @@ class BatchEngine:
     def _admit(self, sched: StaggeredScheduler, rid: str, running: dict) -> None:
         """Schedule the request's next verification; every request admitted now starts drafting."""
         req = running[rid][0]
-        admitted = sched.admit(rid, req.next_reload_bytes(), max(1, req.next_horizon()),
-                               # the verify pass assembles the whole full KV on the device (held
-                               # rows copied in, not fetched)
-                               device_bytes=req.full_kv_bytes())
+        admitted = sched.admit(
+            rid,
+            req.next_reload_bytes(),
+            max(1, req.next_horizon()),
+            # the verify pass assembles the whole full KV on the device (held
+            # rows copied in, not fetched)
+            device_bytes=req.full_kv_bytes(),
+        )
         self._start_windows(sched, admitted, running)
 
     def _start_windows(self, sched: StaggeredScheduler, admitted: dict, running: dict) -> None:

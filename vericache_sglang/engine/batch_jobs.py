@@ -111,8 +111,16 @@ class Job:
 class PlainRequest:
     """A request decoded one token per iteration on a resident, offloaded or compressed KV."""
 
-    def __init__(self, rid: str, pre: Prefill, cfg: GenerationConfig, method: str, tokenizer: object | None,
-                 compressor: Compressor, on_commit: Callable[[list[int]], None] | None = None):
+    def __init__(
+        self,
+        rid: str,
+        pre: Prefill,
+        cfg: GenerationConfig,
+        method: str,
+        tokenizer: object | None,
+        compressor: Compressor,
+        on_commit: Callable[[list[int]], None] | None = None,
+    ):
         self.rid = rid
         self.cfg = cfg
         self.compressor = compressor

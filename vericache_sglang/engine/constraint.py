@@ -101,8 +101,9 @@ class ConstraintCompiler:
         if cache_limit_bytes <= 0:
             raise ValueError(f"cache_limit_bytes must be > 0, got {cache_limit_bytes}")
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size),
-                                             cache_limit_bytes=cache_limit_bytes)
+        self._compiler = xgr.GrammarCompiler(
+            xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size), cache_limit_bytes=cache_limit_bytes
+        )
 
     def cache_bytes(self) -> int:
         """What the compiled-grammar cache holds now."""
@@ -129,8 +130,9 @@ class ConstraintCompiler:
             elif kind == "text":
                 raise ConstraintError("response_format text is no constraint")
             else:
-                raise ConstraintError(f"response_format type {kind!r} is not one of json_object, json_schema, regex, "
-                                      "ebnf")
+                raise ConstraintError(
+                    f"response_format type {kind!r} is not one of json_object, json_schema, regex, ebnf"
+                )
         except ConstraintError:
             raise
         except Exception as e:  # xgrammar's own parse errors

@@ -60,9 +60,16 @@ __all__ = [
     "run_request",
 ]
 
-def _decode_one_by_one(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig, out: Output,
-                       context: Callable[[], ContextKV], after: Callable[[int, SegmentOutput], None] | None = None,
-                       keep_queries: int = 0) -> None:
+
+def _decode_one_by_one(
+    runner: ModelRunner,
+    pre: Prefill,
+    cfg: GenerationConfig,
+    out: Output,
+    context: Callable[[], ContextKV],
+    after: Callable[[int, SegmentOutput], None] | None = None,
+    keep_queries: int = 0,
+) -> None:
     """Commit the prefill's token, then one token per forward over ``context()`` until the stop.
     With a constraint, each token is chosen from the logits its grammar allows there."""
     sampler = Sampler(cfg.sampling)
@@ -90,8 +97,13 @@ def _decode_one_by_one(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig,
     out.stats.prefill_s = pre.seconds
 
 
-def generate_full(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig, tokenizer: object | None = None,
-                  on_commit: Callable[[list[int]], None] | None = None) -> GenerationResult:
+def generate_full(
+    runner: ModelRunner,
+    pre: Prefill,
+    cfg: GenerationConfig,
+    tokenizer: object | None = None,
+    on_commit: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
     """Full-KV decoding, one token per forward, the full KV resident: the reference."""
     out = Output("full", cfg, tokenizer, on_commit)
     t0 = time.monotonic()
@@ -102,9 +114,14 @@ def generate_full(runner: ModelRunner, pre: Prefill, cfg: GenerationConfig, toke
     return out.result()
 
 
-def generate_lossy(runner: ModelRunner, pre: Prefill, compressor: Compressor, cfg: GenerationConfig,
-                   tokenizer: object | None = None,
-                   on_commit: Callable[[list[int]], None] | None = None) -> GenerationResult:
+def generate_lossy(
+    runner: ModelRunner,
+    pre: Prefill,
+    compressor: Compressor,
+    cfg: GenerationConfig,
+    tokenizer: object | None = None,
+    on_commit: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
     """Decoding with the compressed KV alone (the lossy baseline the compressor would give): each
     step's own K/V is folded into the compressed KV."""
     out = Output(f"lossy[{compressor.spec}]", cfg, tokenizer, on_commit)
@@ -121,9 +138,15 @@ def generate_lossy(runner: ModelRunner, pre: Prefill, compressor: Compressor, cf
 
 
 def generate_vericache(
-    runner: ModelRunner, pre: Prefill, compressor: Compressor, store: FullKVStore, cfg: GenerationConfig,
-    tokenizer: object | None = None, on_commit: Callable[[list[int]], None] | None = None,
-    request_id: str | None = None, timings: list[VerifyTiming] | None = None,
+    runner: ModelRunner,
+    pre: Prefill,
+    compressor: Compressor,
+    store: FullKVStore,
+    cfg: GenerationConfig,
+    tokenizer: object | None = None,
+    on_commit: Callable[[list[int]], None] | None = None,
+    request_id: str | None = None,
+    timings: list[VerifyTiming] | None = None,
     progress: bool = False,
 ) -> GenerationResult:
     """Lossless decoding: draft on the compressed KV, verify each window over the full KV, which the
@@ -131,27 +154,54 @@ def generate_vericache(
 
     ``timings``, when given, receives each verification's fetch and per-layer compute times.
     """
-    req = VeriCacheRequest(runner, pre, compressor, store, cfg, tokenizer, on_commit, request_id,
-                           recompute=lambda tokens: recompute_full_kv(runner, tokens))
+    req = VeriCacheRequest(
+        runner,
+        pre,
+        compressor,
+        store,
+        cfg,
+        tokenizer,
+        on_commit,
+        request_id,
+        recompute=lambda tokens: recompute_full_kv(runner, tokens),
+    )
     return run_request(runner, req, timings, progress)
 
 
 def generate_vericache_from_prefix(
-    runner: ModelRunner, prefix: RegisteredPrefix, prompt: list[int], compressor: Compressor,
-    store: FullKVStore, cfg: GenerationConfig, tokenizer: object | None = None,
-    on_commit: Callable[[list[int]], None] | None = None, request_id: str | None = None,
+    runner: ModelRunner,
+    prefix: RegisteredPrefix,
+    prompt: list[int],
+    compressor: Compressor,
+    store: FullKVStore,
+    cfg: GenerationConfig,
+    tokenizer: object | None = None,
+    on_commit: Callable[[list[int]], None] | None = None,
+    request_id: str | None = None,
 ) -> tuple[GenerationResult, VeriCacheRequest]:
     """VeriCache for a prompt that starts with a registered prefix: no prefill; drafting starts at
     once over the prefix's compressed KV, and the first verification recomputes the prompt's own
     tokens over the prefix's full KV."""
-    req = VeriCacheRequest(runner, None, compressor, store, cfg, tokenizer, on_commit, request_id,
-                           recompute=lambda tokens: recompute_full_kv(runner, tokens), prompt=prompt,
-                           prefix_ckv=prefix.ckv.clone(), prefix_len=len(prefix.tokens))
+    req = VeriCacheRequest(
+        runner,
+        None,
+        compressor,
+        store,
+        cfg,
+        tokenizer,
+        on_commit,
+        request_id,
+        recompute=lambda tokens: recompute_full_kv(runner, tokens),
+        prompt=prompt,
+        prefix_ckv=prefix.ckv.clone(),
+        prefix_len=len(prefix.tokens),
+    )
     return run_request(runner, req), req
 
 
-def run_request(runner: ModelRunner, req: VeriCacheRequest, timings: list[VerifyTiming] | None = None,
-                progress: bool = False) -> GenerationResult:
+def run_request(
+    runner: ModelRunner, req: VeriCacheRequest, timings: list[VerifyTiming] | None = None, progress: bool = False
+) -> GenerationResult:
     """Step one request to the end: fetch, draft, verify (consuming the full KV layer by layer)."""
     bar = tqdm(total=req.cfg.max_new_tokens, desc="vericache", unit="tok", disable=not progress, leave=False)
     bar.update(len(req.out.stop.tokens))

@@ -33,18 +33,27 @@ BATCH_INVARIANT_ROWS = 64
 
 
 class Engine:
-    def __init__(self, model: str = DEFAULT_MODEL, *, store: str = "memory://", device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, namespace: str = "default",
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, progress: bool = False,
-                 batch_invariant: bool | None = None):
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        store: str = "memory://",
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        namespace: str = "default",
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        progress: bool = False,
+        batch_invariant: bool | None = None,
+    ):
         self.loaded = load_model(model, device=device, dtype=dtype, progress=progress)
         # On a GPU a verify pass must compute each row as a one-token decode step would; measured on
         # an H200 in bfloat16 (benchmarks/results/gpu/): without this, output drifts from full-KV
         # decoding; with it, 15/15 compressors bit-identical. CPU kernels here need none of it.
         if batch_invariant is None:
             batch_invariant = str(device).startswith("cuda")
-        self.runner = ModelRunner(self.loaded, row_bucket=BATCH_INVARIANT_ROWS if batch_invariant else 0,
-                                  row_attention=batch_invariant)
+        self.runner = ModelRunner(
+            self.loaded, row_bucket=BATCH_INVARIANT_ROWS if batch_invariant else 0, row_attention=batch_invariant
+        )
         self.tokenizer = self.loaded.tokenizer
         # a store that cannot be used as configured fails here, before anything runs on it
         backend = connect_store(store, memory_bandwidth=lambda: memory_bandwidth(str(self.runner.device)))
@@ -58,9 +67,14 @@ class Engine:
         report: dict[str, object] = {"url": backend.url.split("@")[-1]}
         if isinstance(backend, LinkEmulator):
             probe = streaming_read_bandwidth(str(self.runner.device))  # what the link was set against
-            report.update(link_bandwidth_bytes_s=backend.bandwidth_bytes_s, link_ratio=backend.ratio,
-                          link_bytes_moved=backend.bytes_moved, link_transfer_s=round(backend.transfer_s, 4),
-                          memory_bandwidth_bytes_s=probe.bytes_s, memory_probe=probe.to_dict())
+            report.update(
+                link_bandwidth_bytes_s=backend.bandwidth_bytes_s,
+                link_ratio=backend.ratio,
+                link_bytes_moved=backend.bytes_moved,
+                link_transfer_s=round(backend.transfer_s, 4),
+                memory_bandwidth_bytes_s=probe.bytes_s,
+                memory_probe=probe.to_dict(),
+            )
         return report
 
     @property
@@ -76,9 +90,11 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError(f"model {self.loaded.name} has no tokenizer: pass token ids")
         if chat and getattr(self.tokenizer, "chat_template", None):
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                return_dict=True)["input_ids"])
+            return list(
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+                )["input_ids"]
+            )
         return list(self.tokenizer(prompt)["input_ids"])
 
     def prefill(self, tokens: Sequence[int], reuse_prefix: bool = True) -> Prefill:
@@ -111,8 +127,14 @@ class Engine:
         kwargs.setdefault("eos_token_ids", self.eos_token_ids)
         return GenerationConfig(**kwargs)
 
-    def generate(self, pre: Prefill, method: str = "vericache", compressor: str | Compressor = "snapkv",
-                 cfg: GenerationConfig | None = None, **kwargs: object) -> GenerationResult:
+    def generate(
+        self,
+        pre: Prefill,
+        method: str = "vericache",
+        compressor: str | Compressor = "snapkv",
+        cfg: GenerationConfig | None = None,
+        **kwargs: object,
+    ) -> GenerationResult:
         cfg = cfg or self.config()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choices: {', '.join(METHODS)}")
@@ -121,8 +143,9 @@ class Engine:
             return generate_full(self.runner, pre, cfg, self.tokenizer, **kwargs)
         if method == "lossy":
             return generate_lossy(self.runner, pre, comp, cfg, self.tokenizer, **kwargs)
-        return generate_vericache(self.runner, pre, comp, self.store, cfg, self.tokenizer,
-                                  progress=self.progress, **kwargs)
+        return generate_vericache(
+            self.runner, pre, comp, self.store, cfg, self.tokenizer, progress=self.progress, **kwargs
+        )
 
 
 def compare(reference: GenerationResult, result: GenerationResult) -> dict[str, object]:
@@ -136,8 +159,7 @@ def compare(reference: GenerationResult, result: GenerationResult) -> dict[str, 
         upto = n if mismatch is None else mismatch + 1
         diffs = [_finite_diff(a, b) for a, b in zip(reference.logits[:upto], result.logits[:upto], strict=True)]
         diff = max(diffs) if diffs else 0.0
-    return {"identical": identical, "first_mismatch": mismatch, "compared_tokens": n,
-            "max_logit_abs_diff": diff}
+    return {"identical": identical, "first_mismatch": mismatch, "compared_tokens": n, "max_logit_abs_diff": diff}
 
 
 def _finite_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -49,8 +49,9 @@ class RoomyLayers:
         """Use buffers that already hold the layer's ``n`` rows with room after them."""
         self.layers[layer] = (k_buf, v_buf, n)
 
-    def allocate(self, layer: int, shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    def allocate(
+        self, layer: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's buffers; returns the views its ``shape[1]`` rows are written into."""
         h, n, d = shape
         k_buf, v_buf = (torch.empty((h, n + self.room, d), dtype=dtype, device=device) for _ in range(2))
@@ -77,10 +78,17 @@ class RoomyLayers:
 
 
 class FullKVFetch:
-    def __init__(self, request: RequestKV, upto: int, num_layers: int,
-                 pending_write: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
-                 timeout_s: float = 120.0, held: Callable[[int], Held | None] | None = None,
-                 device: torch.device | str = "cpu", room: int = 0):
+    def __init__(
+        self,
+        request: RequestKV,
+        upto: int,
+        num_layers: int,
+        pending_write: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+        timeout_s: float = 120.0,
+        held: Callable[[int], Held | None] | None = None,
+        device: torch.device | str = "cpu",
+        room: int = 0,
+    ):
         """``room``: rows kept free after each layer for the verify pass's new tokens (0: it
         concatenates)."""
         self.request = request
@@ -112,8 +120,11 @@ class FullKVFetch:
             # the store's bytes land in host memory and the link is the copy to the device (into
             # the roomy buffer where there is one: no second copy on the verify's path).
             roomy = self._roomy
-            into = functools.partial(roomy.allocate, dtype=self.request.store.layout.dtype) \
-                if roomy is not None and self.device.type == "cpu" else None
+            into = (
+                functools.partial(roomy.allocate, dtype=self.request.store.layout.dtype)
+                if roomy is not None and self.device.type == "cpu"
+                else None
+            )
             for layer, k, v in self.request.fetch_layers(self.upto, held=self.held, into=into):
                 if roomy is not None and into is None:
                     roomy.place(layer, k, v, self.device)

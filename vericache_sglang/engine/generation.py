@@ -109,8 +109,13 @@ class GenerationResult:
 class Output:
     """Collects committed tokens in order, cutting at the stop condition."""
 
-    def __init__(self, method: str, cfg: GenerationConfig, tokenizer: object | None,
-                 on_commit: Callable[[list[int]], None] | None):
+    def __init__(
+        self,
+        method: str,
+        cfg: GenerationConfig,
+        tokenizer: object | None,
+        on_commit: Callable[[list[int]], None] | None,
+    ):
         self.method = method
         self.cfg = cfg
         self.stop = StopChecker(tokenizer, cfg.eos_token_ids, cfg.stop_strings, cfg.max_new_tokens)
@@ -133,7 +138,11 @@ class Output:
 
     def result(self) -> GenerationResult:
         return GenerationResult(
-            self.method, list(self.stop.tokens), self.stop.text, self.stop.finish_reason or "length",
-            self.stats, self.logprobs if self.cfg.logprobs else None,
+            self.method,
+            list(self.stop.tokens),
+            self.stop.text,
+            self.stop.finish_reason or "length",
+            self.stats,
+            self.logprobs if self.cfg.logprobs else None,
             self.logits if self.cfg.keep_logits else None,
         )

@@ -35,9 +35,11 @@ class Bandwidth:
         return (self.high_bytes_s - self.low_bytes_s) / self.bytes_s
 
     def describe(self) -> str:
-        return (f"{self.bytes_s / 1e9:.1f} GB/s streaming read on {self.device} (median of {self.reads} reads of "
-                f"{self.array_bytes / 2**30:.2f} GiB; slowest {self.low_bytes_s / 1e9:.1f}, fastest "
-                f"{self.high_bytes_s / 1e9:.1f}, spread {self.spread:.0%})")
+        return (
+            f"{self.bytes_s / 1e9:.1f} GB/s streaming read on {self.device} (median of {self.reads} reads of "
+            f"{self.array_bytes / 2**30:.2f} GiB; slowest {self.low_bytes_s / 1e9:.1f}, fastest "
+            f"{self.high_bytes_s / 1e9:.1f}, spread {self.spread:.0%})"
+        )
 
     def to_dict(self) -> dict[str, float | int | str]:
         return {**asdict(self), "spread": self.spread}
@@ -70,4 +72,3 @@ def streaming_read_bandwidth(device: str = "cpu", nbytes: int = PROBE_BYTES, rea
 def memory_bandwidth(device: str = "cpu") -> float:
     """The engine's device-memory bandwidth in bytes/s (the probe's median), what links are set against."""
     return streaming_read_bandwidth(device).bytes_s
-

@@ -141,9 +141,16 @@ def tiny_llama(seed: int = 0, vocab_size: int = 512, num_layers: int = 4) -> Loa
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
@@ -172,7 +179,9 @@ def _weights_digest(path: Path) -> str:
 
 
 def load_model(
-    spec: str = DEFAULT_MODEL, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    spec: str = DEFAULT_MODEL,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
     progress: bool = True,
 ) -> LoadedModel:
     """Load ``smollm2`` (the default), ``tiny``, or a local HF-format Llama/Qwen/Mistral directory."""

@@ -26,8 +26,9 @@ class RunnerObservation:
             parts: list[list[torch.Tensor]] = [[] for _ in range(self.runner.layout.num_layers)]
             for a in range(0, len(self._tokens), self.chunk):
                 b = min(a + self.chunk, len(self._tokens))
-                out = self.runner.forward([Segment(self._tokens[a:b], list(range(a, b)), ctx, logits="none",
-                                                   keep_queries=b - a)])[0]
+                out = self.runner.forward(
+                    [Segment(self._tokens[a:b], list(range(a, b)), ctx, logits="none", keep_queries=b - a)]
+                )[0]
                 for layer, q in enumerate(out.queries):
                     parts[layer].append(q)
             self._queries = [torch.cat(p, dim=1) for p in parts]
@@ -39,8 +40,9 @@ class RunnerObservation:
             return [q[:, -n:] for q in self._queries]
         start = len(self._tokens) - n
         ctx = ResidentKV.from_full(self.kv.slice(0, start), len(self._tokens), self.runner.device)
-        out = self.runner.forward([Segment(self._tokens[start:], list(range(start, len(self._tokens))), ctx,
-                                           logits="none", keep_queries=n)])[0]
+        out = self.runner.forward(
+            [Segment(self._tokens[start:], list(range(start, len(self._tokens))), ctx, logits="none", keep_queries=n)]
+        )[0]
         return out.queries
 
     def rope(self) -> Rope:
@@ -50,8 +52,9 @@ class RunnerObservation:
     def probe(self, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n = self.kv.num_tokens
         ctx = ResidentKV.from_full(self.kv, n + len(tokens), self.runner.device)
-        out = self.runner.forward([Segment(tokens, list(range(n, n + len(tokens))), ctx, logits="none",
-                                           keep_queries=len(tokens))])[0]
+        out = self.runner.forward(
+            [Segment(tokens, list(range(n, n + len(tokens))), ctx, logits="none", keep_queries=len(tokens))]
+        )[0]
         return [(q, k) for q, (k, _) in zip(out.queries, out.kv, strict=True)]
 
     def encode(self, text: str) -> list[int]:

@@ -24,19 +24,24 @@ __all__ = ["OBS_WINDOW", "prefill", "recompute_full_kv"]
 OBS_WINDOW = 64  # prefill queries kept for scoring compressors
 
 
-def prefill(runner: ModelRunner, tokens: Sequence[int], chunk: int = 512, progress: bool = False,
-            prefix: FullKV | None = None) -> Prefill:
+def prefill(
+    runner: ModelRunner, tokens: Sequence[int], chunk: int = 512, progress: bool = False, prefix: FullKV | None = None
+) -> Prefill:
     """Exact prefill in chunks; ``prefix`` is stored full KV of ``tokens[:prefix.num_tokens]``."""
     tokens = [int(t) for t in tokens]
     if not tokens:
         raise ValueError("empty prompt")
     if len(tokens) >= runner.max_positions:
-        raise ValueError(f"prompt of {len(tokens)} tokens does not fit the model's context of "
-                         f"{runner.max_positions} positions")
+        raise ValueError(
+            f"prompt of {len(tokens)} tokens does not fit the model's context of {runner.max_positions} positions"
+        )
     t0 = time.monotonic()
     reused = 0 if prefix is None else min(prefix.num_tokens, len(tokens) - 1)
-    ctx = (ResidentKV(runner.layout, len(tokens), runner.device) if not reused
-           else ResidentKV.from_full(prefix.slice(0, reused), len(tokens), runner.device))
+    ctx = (
+        ResidentKV(runner.layout, len(tokens), runner.device)
+        if not reused
+        else ResidentKV.from_full(prefix.slice(0, reused), len(tokens), runner.device)
+    )
     queries: list[torch.Tensor | None] = [None] * runner.layout.num_layers  # the last OBS_WINDOW, per layer
     starts = list(range(reused, len(tokens), chunk))
     bar = tqdm(total=len(tokens) - reused, desc="prefill", unit="tok", disable=not progress, leave=False)
@@ -44,8 +49,17 @@ def prefill(runner: ModelRunner, tokens: Sequence[int], chunk: int = 512, progre
     for start in starts:
         end = min(start + chunk, len(tokens))
         last = end == len(tokens)
-        out = runner.forward([Segment(tokens[start:end], list(range(start, end)), ctx,
-                                      logits="last" if last else "none", keep_queries=OBS_WINDOW)])[0]
+        out = runner.forward(
+            [
+                Segment(
+                    tokens[start:end],
+                    list(range(start, end)),
+                    ctx,
+                    logits="last" if last else "none",
+                    keep_queries=OBS_WINDOW,
+                )
+            ]
+        )[0]
         for layer, q in enumerate(out.queries):
             kept = q if queries[layer] is None else torch.cat([queries[layer], q], dim=1)
             queries[layer] = kept[:, -OBS_WINDOW:]

@@ -45,18 +45,21 @@ def document_tokens(tokenizer: object, text: str, role: str = "system") -> list[
         raise ValueError(f"a document's role is system, user or raw, not {role!r}")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template: register the document with role 'raw'")
-    return list(tokenizer.apply_chat_template([{"role": role, "content": text}], tokenize=True,
-                                              return_dict=True)["input_ids"])
+    return list(
+        tokenizer.apply_chat_template([{"role": role, "content": text}], tokenize=True, return_dict=True)["input_ids"]
+    )
 
 
-def store_document(runner: ModelRunner, store: FullKVStore, tokens: list[int], name: str | None = None,
-                   publish: bool = True) -> tuple[Prefill, str, str]:
+def store_document(
+    runner: ModelRunner, store: FullKVStore, tokens: list[int], name: str | None = None, publish: bool = True
+) -> tuple[Prefill, str, str]:
     """Prefill ``tokens`` cut to whole chunks, write their full KV as the store's shared chunks and,
     with ``publish``, list them in its catalog. Returns the prefill, the digest and the name."""
     n = len(tokens) - len(tokens) % store.chunk_tokens
     if n == 0:
-        raise ValueError(f"a document needs at least one whole chunk of {store.chunk_tokens} tokens, "
-                         f"it has {len(tokens)}")
+        raise ValueError(
+            f"a document needs at least one whole chunk of {store.chunk_tokens} tokens, it has {len(tokens)}"
+        )
     catalog = DocumentCatalog(store)
     digest = catalog.digest(tokens[:n])
     name = name or f"doc-{digest[:12]}"
@@ -110,8 +113,9 @@ class PrefixRegistry:
         t = time.monotonic()
         pre, digest, name = store_document(self.runner, self.store, tokens, name, publish)
         ckv = self.compressor.compress(pre.kv, pre.obs)
-        prefix = RegisteredPrefix(pre.tokens, ckv, self.compressor, pre.kv.nbytes, time.monotonic() - t,
-                                  digest, name, listed=publish)
+        prefix = RegisteredPrefix(
+            pre.tokens, ckv, self.compressor, pre.kv.nbytes, time.monotonic() - t, digest, name, listed=publish
+        )
         self.by_digest[digest] = prefix
         return prefix
 
@@ -122,8 +126,9 @@ class PrefixRegistry:
         kv = self.store.load_prefix(tokens, len(tokens))
         obs = Observation(None, RunnerObservation(self.runner, tokens, kv))  # the document alone
         ckv = self.compressor.compress(kv, obs)
-        prefix = RegisteredPrefix(tokens, ckv, self.compressor, kv.nbytes, time.monotonic() - t, doc.digest,
-                                  doc.name, listed=True)
+        prefix = RegisteredPrefix(
+            tokens, ckv, self.compressor, kv.nbytes, time.monotonic() - t, doc.digest, doc.name, listed=True
+        )
         self.by_digest[doc.digest] = prefix
         return prefix
 
@@ -154,8 +159,10 @@ class PrefixRegistry:
                 continue
             if self.max_bytes and self.nbytes > self.max_bytes:
                 del self.by_digest[digest]
-                self.skipped[digest] = (f"its compressed copy ({prefix.compressed_kv_bytes} bytes) does not fit "
-                                        f"the prefix budget of {self.max_bytes} bytes")
+                self.skipped[digest] = (
+                    f"its compressed copy ({prefix.compressed_kv_bytes} bytes) does not fit "
+                    f"the prefix budget of {self.max_bytes} bytes"
+                )
                 log.warning("document %s (%s) not adopted: %s", doc.name, digest, self.skipped[digest])
                 continue
             adopted.append(prefix)

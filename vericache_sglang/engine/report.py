@@ -21,21 +21,22 @@ def summary_lines(r: dict) -> list[str]:
         f"compressor     {r['compressor']}  (horizon {r['horizon']})",
         f"prompt         {r['prompt_tokens']} tokens, prefill {r['prefill_s']} s"
         + (f", {r['prefix_tokens_reused']} reused from the store" if r.get("prefix_tokens_reused") else ""),
-        f"generated      {r['generated_tokens']} tokens ({r['finish_reason']}), "
-        f"{r['tokens_per_second']} tok/s",
+        f"generated      {r['generated_tokens']} tokens ({r['finish_reason']}), {r['tokens_per_second']} tok/s",
         f"acceptance     {r['mean_accepted_length']} tokens per verification over {r['verify_passes']} "
         f"passes (drafts accepted {100 * r['acceptance_rate']:.1f}%), repetition {r['repetition']}",
         f"KV bytes       full {_mib(r['full_kv_bytes'])}, compressed {_mib(r['compressed_kv_bytes'])}, "
         f"fetched {_mib(r['fetch_bytes_per_verify'])} per verification (waited {r['fetch_wait_s']} s in all)",
     ]
     if r.get("identical") is not None:
-        lines.append(f"vs full KV     identical={r['identical']} (max |logit diff| {r['max_logit_abs_diff']:.2e}); "
-                     f"full-KV decoding {r['full']['tokens_per_second']} tok/s")
+        lines.append(
+            f"vs full KV     identical={r['identical']} (max |logit diff| {r['max_logit_abs_diff']:.2e}); "
+            f"full-KV decoding {r['full']['tokens_per_second']} tok/s"
+        )
     if "lossy" in r:
         lossy = r["lossy"]
         verdict = ""
         if "identical" in lossy:
-            verdict = ("identical" if lossy["identical"] else f"diverges at token {lossy['first_mismatch']}")
+            verdict = "identical" if lossy["identical"] else f"diverges at token {lossy['first_mismatch']}"
         lines.append(f"lossy          {verdict} ({lossy['tokens_per_second']} tok/s)")
     lines += ["", "--- VeriCache output ---", r["text"]]
     if "lossy" in r:

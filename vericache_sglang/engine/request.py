@@ -45,12 +45,23 @@ class VeriCacheRequest:
     the prompt's own tokens past it are committed but not yet exact: the first verification
     recomputes them along with the drafts (they were drafted over the compressed prefix)."""
 
-    def __init__(self, runner: ModelRunner, pre: Prefill | None, compressor: Compressor, store: FullKVStore,
-                 cfg: GenerationConfig, tokenizer: object | None = None,
-                 on_commit: Callable[[list[int]], None] | None = None, request_id: str | None = None,
-                 recompute: Callable[[list[int]], ResidentKV] | None = None, *,
-                 prompt: list[int] | None = None, prefix_ckv: CompressedKV | None = None, prefix_len: int = 0,
-                 ckv: CompressedKV | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pre: Prefill | None,
+        compressor: Compressor,
+        store: FullKVStore,
+        cfg: GenerationConfig,
+        tokenizer: object | None = None,
+        on_commit: Callable[[list[int]], None] | None = None,
+        request_id: str | None = None,
+        recompute: Callable[[list[int]], ResidentKV] | None = None,
+        *,
+        prompt: list[int] | None = None,
+        prefix_ckv: CompressedKV | None = None,
+        prefix_len: int = 0,
+        ckv: CompressedKV | None = None,
+    ):
         self.runner = runner
         self.compressor = compressor
         self.cfg = cfg
@@ -93,8 +104,10 @@ class VeriCacheRequest:
                 self.grammar.advance(first)
         else:
             if prompt is None or prefix_ckv is None or not 0 < prefix_len < len(prompt):
-                raise ValueError("a request without a prefill needs its prompt, a compressed prefix and its "
-                                 "length (shorter than the prompt)")
+                raise ValueError(
+                    "a request without a prefill needs its prompt, a compressed prefix and its "
+                    "length (shorter than the prompt)"
+                )
             self.ckv = prefix_ckv  # the caller's copy: updates change it
             self.kv = store.open_request(prompt, request_id)
             self.kv.adopt_prefix(prefix_len)
@@ -160,9 +173,16 @@ class VeriCacheRequest:
             # The rows the compressed KV holds bit-exactly need not cross the link again.
             # Room for the verify pass's tokens: the committed ones the store lacks, then the drafts.
             room = len(self.tokens) - self.exact_upto + self.cfg.horizon
-            self.feed = FullKVFetch(self.kv, self.exact_upto, self.runner.layout.num_layers, self.pending,
-                                    self.cfg.fetch_timeout_s, held=lambda layer: self.ckv.layers[layer].exact_kv(),
-                                    device=self.runner.device, room=room)
+            self.feed = FullKVFetch(
+                self.kv,
+                self.exact_upto,
+                self.runner.layout.num_layers,
+                self.pending,
+                self.cfg.fetch_timeout_s,
+                held=lambda layer: self.ckv.layers[layer].exact_kv(),
+                device=self.runner.device,
+                room=room,
+            )
         self.pending = None
 
     def wait_fetch(self) -> float:
@@ -181,8 +201,9 @@ class VeriCacheRequest:
         would hide a misconfiguration behind every request from then on."""
         self.feed.join()
         if refused(error):
-            raise FetchError(f"verification failed, no unverified token emitted: the store refused this "
-                             f"server: {error}") from error
+            raise FetchError(
+                f"verification failed, no unverified token emitted: the store refused this server: {error}"
+            ) from error
         if self.cfg.on_store_error == "fail":
             raise FetchError(f"verification failed, no unverified token emitted: {error}") from error
         log.warning("request %s: full-KV fetch failed (%s); recomputing the full KV", self.request_id, error)
@@ -196,9 +217,20 @@ class VeriCacheRequest:
         self._window_steps = self.stats.decode_steps
         self._draft_ctx = DraftKV(self.ckv)
         # the committed tokens the window's KV lacks yet are its first inputs
-        self.window = DraftWindow(x, len(self.tokens), self.tokens[self.exact_upto :], self.sampler, self.rejection,
-                                  self.cfg.eos_token_ids, self.runner.vocab_size, self._draft_ctx.forget,
-                                  self.lookup, self.lookup_index, self.grammar, self.runner.device)
+        self.window = DraftWindow(
+            x,
+            len(self.tokens),
+            self.tokens[self.exact_upto :],
+            self.sampler,
+            self.rejection,
+            self.cfg.eos_token_ids,
+            self.runner.vocab_size,
+            self._draft_ctx.forget,
+            self.lookup,
+            self.lookup_index,
+            self.grammar,
+            self.runner.device,
+        )
 
     @property
     def drafts(self) -> list[int]:
@@ -213,8 +245,12 @@ class VeriCacheRequest:
         """The inputs the window's KV lacks: the committed tokens without exact KV (at the window's
         start), the last model draft, or a lookup chain (whose every row the model checks)."""
         w = self.window
-        return Segment(list(w.pending), list(range(w.position, w.position + len(w.pending))), self._draft_ctx,
-                       logits="all" if w.chain else "last")
+        return Segment(
+            list(w.pending),
+            list(range(w.position, w.position + len(w.pending))),
+            self._draft_ctx,
+            logits="all" if w.chain else "last",
+        )
 
     def take_draft(self, out: SegmentOutput) -> None:
         self.stats.decode_steps += 1
@@ -228,11 +264,16 @@ class VeriCacheRequest:
         if self.drafts:
             self.draft_s = self._ema(self.draft_s, (self._verify_started - self._window_started) / len(self.drafts))
         inputs = [*self.tokens[self.exact_upto :], *self.drafts]
-        return Segment(inputs, list(range(self.exact_upto, self.exact_upto + len(inputs))), StreamedKV(self.feed),
-                       keep_queries=len(inputs) if self.compressor.update_queries else 0)
+        return Segment(
+            inputs,
+            list(range(self.exact_upto, self.exact_upto + len(inputs))),
+            StreamedKV(self.feed),
+            keep_queries=len(inputs) if self.compressor.update_queries else 0,
+        )
 
-    def take_verify(self, out: SegmentOutput, timeline: Timeline | None = None,
-                    timings: list[VerifyTiming] | None = None) -> Verdict:
+    def take_verify(
+        self, out: SegmentOutput, timeline: Timeline | None = None, timings: list[VerifyTiming] | None = None
+    ) -> Verdict:
         feed = self.feed
         feed.join()
         if timings is not None and timeline is not None:
@@ -260,8 +301,7 @@ class VeriCacheRequest:
         queries = None if out.queries is None else [q[:, :m] for q in out.queries]
         self.compressor.commit(self.ckv, exact, positions, queries)
         if self.compressor.refreshes and m:  # rows re-chosen by the committed tokens' attention
-            self.compressor.refresh(self.ckv, [[feed.wait_layer(layer), kv] for layer, kv in enumerate(exact)],
-                                    queries)
+            self.compressor.refresh(self.ckv, [[feed.wait_layer(layer), kv] for layer, kv in enumerate(exact)], queries)
         if self.resident is not None:
             self.resident.extend(exact)
         else:
@@ -302,8 +342,13 @@ class VeriCacheRequest:
     def _accept(self, logits: torch.Tensor, positions: list[int]) -> Verdict:
         token_positions = [p + 1 for p in positions]
         if self.rejection and self.drafts:
-            return rejection_accept(self.drafts, torch.stack(self.window.draft_probs), self.sampler.probs(logits),
-                                    token_positions, self.sampler)
+            return rejection_accept(
+                self.drafts,
+                torch.stack(self.window.draft_probs),
+                self.sampler.probs(logits),
+                token_positions,
+                self.sampler,
+            )
         return greedy_accept(self.drafts, self.sampler.sample(logits, token_positions).tolist())
 
     def _commit(self, tokens: list[int], logits: torch.Tensor) -> int:

@@ -23,8 +23,9 @@ from vericache_sglang.engine.model import LoadedModel
 
 
 class ContextKV(Protocol):
-    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                  q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_kv(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the new tokens' K/V ``[kv_heads, n, head_dim]`` at ``layer`` and return every key and
         value they attend to, the new ones last. Whether the new K/V stay is the context's choice;
         ``q`` (their queries) is for query-aware contexts."""
@@ -62,8 +63,9 @@ class ResidentKV:
                 grown[:, : self.length] = b[:, : self.length]
                 bufs[i] = grown
 
-    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                  q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_kv(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[1]
         if layer == 0:
             self._grow(end)
@@ -83,8 +85,9 @@ class ResidentKV:
         self.length = min(self.length, length)
 
     def to_full(self) -> FullKV:
-        return FullKV(self.layout, [(k[:, : self.length], v[:, : self.length]) for k, v in zip(self.k, self.v,
-                                                                                               strict=True)])
+        return FullKV(
+            self.layout, [(k[:, : self.length], v[:, : self.length]) for k, v in zip(self.k, self.v, strict=True)]
+        )
 
 
 class DraftKV:
@@ -99,8 +102,9 @@ class DraftKV:
         self.drafted = [0] * len(ckv.layers)  # window tokens written per layer
         self.scratch: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in ckv.layers]
 
-    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                  q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_kv(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ckv.draft_epoch != self.epoch:
             raise RuntimeError("a newer draft window was opened over this compressed KV")
         compressed = self.ckv.layers[layer]
@@ -150,8 +154,9 @@ class StreamedKV:
     def __init__(self, feed: LayerFeed):
         self.feed = feed
 
-    def attend_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                  q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_kv(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         in_place = self.feed.with_new(layer, k, v)
         if in_place is not None:
             return in_place
@@ -222,8 +227,9 @@ class ModelRunner:
         # The work every forward did, for cost accounting: (row, key) pairs attention scored, summed
         # over layers; a row's matmuls are the weights' (``flops``).
         self.attended_keys = 0
-        self._matmul_params = sum(p.numel() for p in self.layers.parameters() if p.dim() == 2) + \
-            self.lm_head.weight.numel()
+        self._matmul_params = (
+            sum(p.numel() for p in self.layers.parameters() if p.dim() == 2) + self.lm_head.weight.numel()
+        )
 
     def flops(self, rows: int, attended_keys: int) -> float:
         """Floating-point operations of ``rows`` token rows through every layer and the head, with
@@ -239,15 +245,24 @@ class ModelRunner:
         n, total = q.shape[1], keys.shape[1]
         if n > 1 and self.row_attention and (not self.row_bucket or n <= self.row_bucket):
             past = total - n
-            return torch.cat([self._attention(q[:, i : i + 1], keys[:, : past + i + 1], values[:, : past + i + 1])
-                              for i in range(n)], dim=1)
+            return torch.cat(
+                [
+                    self._attention(q[:, i : i + 1], keys[:, : past + i + 1], values[:, : past + i + 1])
+                    for i in range(n)
+                ],
+                dim=1,
+            )
         mask = None
         if n > 1:
             past = total - n
             mask = torch.ones(n, total, dtype=torch.bool, device=q.device)
             mask[:, past:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=self.scaling,
+            q.unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            scale=self.scaling,
             enable_gqa=True,
         )
         return out[0]
@@ -287,7 +302,7 @@ class ModelRunner:
                 qs, ks, vs = q[0, :, a:b], k[0, :, a:b].contiguous(), v[0, :, a:b].contiguous()
                 kv_out[si].append((ks, vs))
                 if seg.keep_queries:
-                    q_out[si].append(qs[:, max(0, b - a - seg.keep_queries):].clone())
+                    q_out[si].append(qs[:, max(0, b - a - seg.keep_queries) :].clone())
                 keys, values = seg.context.attend_kv(li, ks, vs, qs)
                 self.attended_keys += (b - a) * keys.shape[1]
                 if timeline is not None and si == 0:
@@ -304,9 +319,16 @@ class ModelRunner:
         if self.row_bucket:
             rows = list(range(total))
         else:
-            rows = [r for si, seg in enumerate(segments) if seg.logits != "none"
-                    for r in (range(bounds[si + 1] - 1, bounds[si + 1]) if seg.logits == "last"
-                              else range(bounds[si], bounds[si + 1]))]
+            rows = [
+                r
+                for si, seg in enumerate(segments)
+                if seg.logits != "none"
+                for r in (
+                    range(bounds[si + 1] - 1, bounds[si + 1])
+                    if seg.logits == "last"
+                    else range(bounds[si], bounds[si + 1])
+                )
+            ]
         if rows and any(seg.logits != "none" for seg in segments):
             picked = h if len(rows) == total else h[:, torch.tensor(rows, device=h.device)]
             every = self.lm_head(self.norm(picked))[0].float()

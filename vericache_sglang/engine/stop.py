@@ -12,8 +12,13 @@ class StopChecker:
     stops before the stop string. EOS ends it at the EOS token (kept in the tokens, not the text).
     """
 
-    def __init__(self, tokenizer: object | None, eos_token_ids: Iterable[int] = (),
-                 stop_strings: Iterable[str] = (), max_new_tokens: int = 128):
+    def __init__(
+        self,
+        tokenizer: object | None,
+        eos_token_ids: Iterable[int] = (),
+        stop_strings: Iterable[str] = (),
+        max_new_tokens: int = 128,
+    ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.tokenizer = tokenizer

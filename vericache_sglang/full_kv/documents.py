@@ -100,8 +100,10 @@ class DocumentCatalog:
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise DocumentError(f"document record {digest} is malformed: {e}") from None
         if self.digest(doc.tokens) != digest:
-            raise DocumentError(f"document record {digest} holds tokens of another digest (another model "
-                                "layout, namespace or chunk size?)")
+            raise DocumentError(
+                f"document record {digest} holds tokens of another digest (another model "
+                "layout, namespace or chunk size?)"
+            )
         return doc
 
     # writing
@@ -130,6 +132,8 @@ class DocumentCatalog:
             self.store.backend.put_many([(self.index_key, json.dumps(change(self.digests())).encode())])
             if holds(self.digests()):  # a concurrent writer may have overwritten ours: try again
                 return
-        raise StoreError(f"the store did not keep the updated document index {self.index_key} in "
-                         f"{MAX_INDEX_RETRIES} tries: another writer kept changing it, or the store keeps the first "
-                         "record under a key (LMCache's tier does) and cannot hold a catalog")
+        raise StoreError(
+            f"the store did not keep the updated document index {self.index_key} in "
+            f"{MAX_INDEX_RETRIES} tries: another writer kept changing it, or the store keeps the first "
+            "record under a key (LMCache's tier does) and cannot hold a catalog"
+        )

@@ -17,9 +17,7 @@ KEY_PREFIX = "vc1"
 
 
 def salt_digest(model_id: str, layout_digest: str, namespace: str) -> bytes:
-    return hashlib.blake2b(
-        f"{model_id}\x00{layout_digest}\x00{namespace}".encode(), digest_size=DIGEST_SIZE
-    ).digest()
+    return hashlib.blake2b(f"{model_id}\x00{layout_digest}\x00{namespace}".encode(), digest_size=DIGEST_SIZE).digest()
 
 
 def chain(prev: bytes, tokens: Sequence[int]) -> bytes:

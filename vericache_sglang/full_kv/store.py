@@ -51,9 +51,15 @@ class TransferStats:
 class FullKVStore:
     """Full KV of one model layout in one namespace of a byte store."""
 
-    def __init__(self, backend: ByteStore, layout: KVLayout, namespace: str = "default",
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, decode_ttl_s: float = DEFAULT_DECODE_TTL_S,
-                 subset_min_fraction: float = 0.25):
+    def __init__(
+        self,
+        backend: ByteStore,
+        layout: KVLayout,
+        namespace: str = "default",
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        decode_ttl_s: float = DEFAULT_DECODE_TTL_S,
+        subset_min_fraction: float = 0.25,
+    ):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.backend = backend
@@ -73,35 +79,66 @@ class FullKVStore:
     # keys and records
     def key(self, ref: ChunkRef, layer: int, owner: str | None = None) -> str:
         scope = "shared" if owner is None else f"req-{owner}"
-        return (f"{KEY_PREFIX}:{self.namespace}:{self.layout_digest}:{scope}:"
-                f"{ref.digest.hex()}:{ref.num_tokens}:{layer}")
+        return f"{KEY_PREFIX}:{self.namespace}:{self.layout_digest}:{scope}:{ref.digest.hex()}:{ref.num_tokens}:{layer}"
 
     def encode(self, ref: ChunkRef, layer: int, k: torch.Tensor, v: torch.Tensor) -> bytes:
         self.layout.check_layer(k, v)
         payload = torch.stack([k, v]).contiguous().cpu().view(torch.uint8).numpy().tobytes()
         header = codec.ChunkHeader(
-            codec.KIND_KV, dtype_name(self.layout.dtype), layer, self.layout.num_kv_heads, ref.num_tokens,
-            self.layout.head_dim, ref.start, self.layout_digest, ref.digest, 0, len(payload),
+            codec.KIND_KV,
+            dtype_name(self.layout.dtype),
+            layer,
+            self.layout.num_kv_heads,
+            ref.num_tokens,
+            self.layout.head_dim,
+            ref.start,
+            self.layout_digest,
+            ref.digest,
+            0,
+            len(payload),
         )
         return codec.encode(header, payload)
 
     def expected_header(self, ref: ChunkRef, layer: int) -> codec.ChunkHeader:
         lay = self.layout
-        header = codec.ChunkHeader(codec.KIND_KV, dtype_name(lay.dtype), layer, lay.num_kv_heads, ref.num_tokens,
-                                   lay.head_dim, ref.start, self.layout_digest, ref.digest, 0, 0)
+        header = codec.ChunkHeader(
+            codec.KIND_KV,
+            dtype_name(lay.dtype),
+            layer,
+            lay.num_kv_heads,
+            ref.num_tokens,
+            lay.head_dim,
+            ref.start,
+            self.layout_digest,
+            ref.digest,
+            0,
+            0,
+        )
         return dataclasses.replace(header, payload_len=header.expected_payload_len())
 
     def check_header(self, header: codec.ChunkHeader, ref: ChunkRef, layer: int) -> None:
         """Raise ChunkError unless ``header`` is that of chunk ``ref``'s layer ``layer`` in this layout."""
-        codec.check(header, layout_digest=self.layout_digest, prefix_digest=ref.digest, layer=layer,
-                    tokens=ref.num_tokens, start=ref.start)
+        codec.check(
+            header,
+            layout_digest=self.layout_digest,
+            prefix_digest=ref.digest,
+            layer=layer,
+            tokens=ref.num_tokens,
+            start=ref.start,
+        )
         # The rest of the expected header (its payload length follows from the shape: decode_header
         # checked that); compared field by field, as this runs for every chunk of every fetch.
         lay = self.layout
         if (header.kind, header.dtype, header.heads, header.head_dim) != (
-                codec.KIND_KV, self._dtype, lay.num_kv_heads, lay.head_dim):
-            raise codec.ChunkError(f"chunk holds {header.dtype} kind {header.kind}, {header.heads} heads x "
-                                   f"{header.head_dim}; expected raw {dtype_name(self.layout.dtype)} KV of this layout")
+            codec.KIND_KV,
+            self._dtype,
+            lay.num_kv_heads,
+            lay.head_dim,
+        ):
+            raise codec.ChunkError(
+                f"chunk holds {header.dtype} kind {header.kind}, {header.heads} heads x "
+                f"{header.head_dim}; expected raw {dtype_name(self.layout.dtype)} KV of this layout"
+            )
 
     def decode(self, record: bytes, ref: ChunkRef, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         header, payload = codec.decode(record)
@@ -134,8 +171,15 @@ class FullKVStore:
             layers.append(self._join(refs, layer, records, None))
         return FullKV(self.layout, layers)
 
-    def _join(self, refs: list[ChunkRef], layer: int, records: list[bytes | None], owners: list[str | None] | None,
-              span: tuple[int, int] | None = None, into: Allocate | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _join(
+        self,
+        refs: list[ChunkRef],
+        layer: int,
+        records: list[bytes | None],
+        owners: list[str | None] | None,
+        span: tuple[int, int] | None = None,
+        into: Allocate | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V of positions ``span`` (default: all of ``refs``), each chunk decoded
         straight into its place in the output (``into``'s tensors, or new ones)."""
         start, upto = span or (refs[0].start, refs[-1].end)
@@ -143,8 +187,10 @@ class FullKVStore:
         for i, (ref, record) in enumerate(zip(refs, records, strict=True)):
             if record is None:
                 owner = owners[i] if owners else None
-                raise StoreError(f"chunk {ref.index} (tokens [{ref.start}, {ref.end}), layer {layer}) is "
-                                 f"missing from the store (key {self.key(ref, layer, owner)})")
+                raise StoreError(
+                    f"chunk {ref.index} (tokens [{ref.start}, {ref.end}), layer {layer}) is "
+                    f"missing from the store (key {self.key(ref, layer, owner)})"
+                )
             k, v = self.decode(record, ref, layer)
             a, b = max(ref.start, start), min(ref.end, upto)
             k_out[:, a - start : b - start] = k[:, a - ref.start : b - ref.start]
@@ -164,8 +210,9 @@ class FullKVStore:
             self._deferred.append((kv, delete_private))
             if len(self._deferred) > MAX_DEFERRED_RELEASES:  # a store gone for good: leases and TTLs end them
                 dropped = self._deferred.pop(0)[0]
-                log.warning("dropped the deferred release of request %s (%d keys)", dropped.request_id,
-                            dropped.unreleased)
+                log.warning(
+                    "dropped the deferred release of request %s (%d keys)", dropped.request_id, dropped.unreleased
+                )
 
     def retry_releases(self) -> None:
         """Retry the releases a store error interrupted (each re-defers itself if it fails again)."""
@@ -207,8 +254,10 @@ class RequestKV:
             if self.stored:
                 raise ValueError("adopt_prefix comes before any write")
             if n % store.chunk_tokens or n > self.shared_end:
-                raise ValueError(f"a prefix of {n} tokens is not whole shared chunks of this prompt "
-                                 f"(chunks of {store.chunk_tokens}, {self.shared_end} shareable)")
+                raise ValueError(
+                    f"a prefix of {n} tokens is not whole shared chunks of this prompt "
+                    f"(chunks of {store.chunk_tokens}, {self.shared_end} shareable)"
+                )
             keys = [store.key(r, layer) for r in store.refs(self.tokens, n) for layer in range(store.layout.num_layers)]
             store.backend.pin(keys)
             if not all(store.backend.exists_many(keys)):
@@ -217,8 +266,9 @@ class RequestKV:
             self._pinned.extend(keys)
             self.stored = n
 
-    def write(self, start: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
-              skip_existing_shared: bool = True) -> None:
+    def write(
+        self, start: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *, skip_existing_shared: bool = True
+    ) -> None:
         """Store the exact KV of positions ``[start, start + n)``; ``start`` must be ``stored``."""
         store = self.store
         with self._lock:
@@ -229,8 +279,10 @@ class RequestKV:
                 raise ValueError(f"KV for positions up to {start + n}, only {len(self.tokens)} tokens known")
             chunk0 = start - start % store.chunk_tokens
             if self._tail is not None:
-                layers = [(torch.cat([tk, k], 1), torch.cat([tv, v], 1))
-                          for (tk, tv), (k, v) in zip(self._tail, layers, strict=True)]
+                layers = [
+                    (torch.cat([tk, k], 1), torch.cat([tv, v], 1))
+                    for (tk, tv), (k, v) in zip(self._tail, layers, strict=True)
+                ]
             refs = [r for r in store.refs(self.tokens, start + n) if r.end > chunk0]
             old_tail = [r for r in store.refs(self.tokens, start) if r.start == chunk0 and r.end > chunk0]
             shared_items, private_items, all_new, private = [], [], [], []
@@ -256,8 +308,9 @@ class RequestKV:
             self._private.extend(private)
             if old_tail:
                 keep = set(all_new)
-                superseded = [store.key(old_tail[0], layer, self._owner(old_tail[0]))
-                              for layer in range(store.layout.num_layers)]
+                superseded = [
+                    store.key(old_tail[0], layer, self._owner(old_tail[0])) for layer in range(store.layout.num_layers)
+                ]
                 superseded = [k for k in superseded if k not in keep]
                 store.backend.unpin(superseded)
                 store.backend.delete_many(superseded)
@@ -272,9 +325,15 @@ class RequestKV:
                 self._tail = None
             self.stored = start + n
 
-    def fetch_layers(self, upto: int | None = None, layers: Sequence[int] | None = None, *, start: int = 0,
-                     held: Callable[[int], subset.Held | None] | None = None, into: Allocate | None = None,
-                     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def fetch_layers(
+        self,
+        upto: int | None = None,
+        layers: Sequence[int] | None = None,
+        *,
+        start: int = 0,
+        held: Callable[[int], subset.Held | None] | None = None,
+        into: Allocate | None = None,
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(layer, keys, values)`` of positions ``[start, upto)``, layer by layer as they arrive.
 
         ``held(layer)`` names the rows the caller already holds bit-exactly (a compressor's kept
@@ -292,8 +351,11 @@ class RequestKV:
         layers = list(range(store.layout.num_layers) if layers is None else layers)
         lay = store.layout
         held_by_layer = {layer: held(layer) for layer in layers} if held else {}
-        fraction = (sum(subset.held_fraction(h, lay.num_kv_heads, start, upto) for h in held_by_layer.values())
-                    / len(layers)) if held_by_layer else 0.0
+        fraction = (
+            (sum(subset.held_fraction(h, lay.num_kv_heads, start, upto) for h in held_by_layer.values()) / len(layers))
+            if held_by_layer
+            else 0.0
+        )
         total = 0
         if not held_by_layer or fraction < store.subset_min_fraction:
             groups = [[store.key(r, layer, o) for r, o in zip(refs, owners, strict=True)] for layer in layers]
@@ -308,13 +370,16 @@ class RequestKV:
                 mask = subset.place_held(held_by_layer[layer], k_out, v_out, start)
                 plans.append(subset.plan(refs, [store.expected_header(r, layer) for r in refs], mask, start, upto))
                 outs.append((k_out, v_out))
-            groups = [[(store.key(p.ref, layer, o), p.ranges) for p, o in zip(lp, owners, strict=True)]
-                      for layer, lp in zip(layers, plans, strict=True)]
+            groups = [
+                [(store.key(p.ref, layer, o), p.ranges) for p, o in zip(lp, owners, strict=True)]
+                for layer, lp in zip(layers, plans, strict=True)
+            ]
             replies = store.backend.stream_get_ranges(groups)
             for layer, lp, (k_out, v_out), reply in zip(layers, plans, outs, replies, strict=True):
                 total += sum(len(part) for parts in reply if parts is not None for part in parts)
-                subset.assemble(lp, reply, k_out, v_out, start, lambda h, ref, layer=layer: store.check_header(
-                    h, ref, layer))
+                subset.assemble(
+                    lp, reply, k_out, v_out, start, lambda h, ref, layer=layer: store.check_header(h, ref, layer)
+                )
                 yield layer, k_out, v_out
         self.stats.fetches += 1
         self.stats.fetch_bytes += total
@@ -345,8 +410,9 @@ class RequestKV:
                     self.store.backend.delete_many(self._private)
                 self._private = []
             except StoreError as e:
-                log.warning("could not release request %s in the store (retried after the next release): %s",
-                            self.request_id, e)
+                log.warning(
+                    "could not release request %s in the store (retried after the next release): %s", self.request_id, e
+                )
                 self.store.defer_release(self, delete_private)
                 return False
         return True

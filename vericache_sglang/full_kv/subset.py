@@ -58,8 +58,9 @@ def place_held(held: Held | None, k_out: torch.Tensor, v_out: torch.Tensor, star
 
 
 def _runs(need: torch.Tensor, max_gap: int) -> list[tuple[int, int]]:
-    edges = torch.diff(need.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
-                       append=torch.zeros(1, dtype=torch.int8))
+    edges = torch.diff(
+        need.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8), append=torch.zeros(1, dtype=torch.int8)
+    )
     starts = (edges == 1).nonzero().flatten().tolist()
     ends = (edges == -1).nonzero().flatten().tolist()
     runs: list[list[int]] = []
@@ -71,8 +72,9 @@ def _runs(need: torch.Tensor, max_gap: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
-def plan(refs: list[ChunkRef], headers: list[codec.ChunkHeader], mask: torch.Tensor, start: int, end: int,
-         max_gap: int = 2) -> list[RowPlan]:
+def plan(
+    refs: list[ChunkRef], headers: list[codec.ChunkHeader], mask: torch.Tensor, start: int, end: int, max_gap: int = 2
+) -> list[RowPlan]:
     """Byte ranges for the rows of ``[start, end)`` that ``mask`` does not cover."""
     plans = []
     for ref, header in zip(refs, headers, strict=True):
@@ -90,8 +92,14 @@ def plan(refs: list[ChunkRef], headers: list[codec.ChunkHeader], mask: torch.Ten
     return plans
 
 
-def assemble(plans: list[RowPlan], replies: list[list[bytes] | None], k_out: torch.Tensor, v_out: torch.Tensor,
-             start: int, check_header) -> None:
+def assemble(
+    plans: list[RowPlan],
+    replies: list[list[bytes] | None],
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    start: int,
+    check_header,
+) -> None:
     """Check each reply and copy its rows into ``k_out``/``v_out``; ``check_header(header, ref)``
     raises on a record that is not the one asked for."""
     dtype, d = k_out.dtype, k_out.shape[2]

@@ -16,24 +16,36 @@ class Metrics:
         self.generated_tokens = Counter("vericache_generated_tokens", "Verified tokens returned", registry=r)
         self.prompt_tokens = Counter("vericache_prompt_tokens", "Prompt tokens received", registry=r)
         self.verify_passes = Counter("vericache_verify_passes", "Verification passes over the full KV", registry=r)
-        self.accepted_length = Histogram("vericache_accepted_length", "Tokens committed per verification",
-                                         buckets=(1, 2, 4, 8, 16, 32, 64, 65), registry=r)
-        self.full_kv_bytes = Counter("vericache_full_kv_fetched_bytes", "Full-KV bytes fetched from the store",
-                                     registry=r)
-        self.link_wait = Counter("vericache_link_wait_seconds", "Time verifications waited for full-KV layers",
-                                 registry=r)
+        self.accepted_length = Histogram(
+            "vericache_accepted_length",
+            "Tokens committed per verification",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 65),
+            registry=r,
+        )
+        self.full_kv_bytes = Counter(
+            "vericache_full_kv_fetched_bytes", "Full-KV bytes fetched from the store", registry=r
+        )
+        self.link_wait = Counter(
+            "vericache_link_wait_seconds", "Time verifications waited for full-KV layers", registry=r
+        )
         self._store_errors = Counter(STORE_ERRORS, STORE_ERRORS_HELP, ["kind"], registry=r)
         for kind in STORE_ERROR_KINDS:  # both series exist from the start, at 0
             self._store_errors.labels(kind=kind)
-        self.decode_rate = Gauge("vericache_decode_tokens_per_second", "Decode rate of the last finished request",
-                                 registry=r)
-        self.prefix_hits = Counter("vericache_prefix_hits", "Requests started over a shared document's "
-                                   "compressed copy (no prefill)", registry=r)
-        self.prefix_tokens = Counter("vericache_prefix_tokens", "Prompt tokens served from shared documents",
-                                     registry=r)
+        self.decode_rate = Gauge(
+            "vericache_decode_tokens_per_second", "Decode rate of the last finished request", registry=r
+        )
+        self.prefix_hits = Counter(
+            "vericache_prefix_hits",
+            "Requests started over a shared document's compressed copy (no prefill)",
+            registry=r,
+        )
+        self.prefix_tokens = Counter(
+            "vericache_prefix_tokens", "Prompt tokens served from shared documents", registry=r
+        )
         self.documents = Gauge("vericache_documents", "Shared documents with a compressed copy here", registry=r)
-        self.checks = Counter("vericache_checks", "Requests also decoded with the full KV and compared, by result",
-                              ["result"], registry=r)
+        self.checks = Counter(
+            "vericache_checks", "Requests also decoded with the full KV and compared, by result", ["result"], registry=r
+        )
         self.running = Gauge("vericache_requests_in_flight", "Requests admitted and not finished", registry=r)
 
     def store_error(self, kind: StoreErrorKind, n: int = 1) -> None:

@@ -34,8 +34,17 @@ STREAM_IDLE_S = 600.0  # a stream with no event for this long ends with an error
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused before it is parsed
 # OpenAI fields this server does not implement yet, with their neutral values: a request that sets
 # one to anything else is refused with a 400 naming it (never silently ignored).
-REFUSED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "functions": None,
-           "function_call": None, "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None}
+REFUSED = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "functions": None,
+    "function_call": None,
+    "top_logprobs": 0,
+    "echo": False,
+    "best_of": 1,
+    "suffix": None,
+}
 TOOL_FIELDS = {"tools": None, "tool_choice": None, "parallel_tool_calls": None}  # chat only
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
@@ -118,12 +127,20 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 
 def vericache_stats(handle: Handle, result: GenerationResult) -> dict[str, Any]:
     s = result.stats
-    return {"compressor": handle.compressor, "horizon": handle.horizon, "prefix_tokens": handle.prefix_tokens,
-            "document": handle.prefix_name, "verify_passes": s.verify_passes,
-            "mean_accepted_length": s.mean_accepted_length, "acceptance_rate": s.acceptance_rate,
-            "full_kv_bytes_fetched": sum(s.fetch_bytes), "link_wait_s": s.fetch_wait_s,
-            "store_fallbacks": s.store_fallbacks, "decode_tokens_per_second": result.tokens_per_second,
-            "check": handle.check}
+    return {
+        "compressor": handle.compressor,
+        "horizon": handle.horizon,
+        "prefix_tokens": handle.prefix_tokens,
+        "document": handle.prefix_name,
+        "verify_passes": s.verify_passes,
+        "mean_accepted_length": s.mean_accepted_length,
+        "acceptance_rate": s.acceptance_rate,
+        "full_kv_bytes_fetched": sum(s.fetch_bytes),
+        "link_wait_s": s.fetch_wait_s,
+        "store_fallbacks": s.store_fallbacks,
+        "decode_tokens_per_second": result.tokens_per_second,
+        "check": handle.check,
+    }
 
 
 class TextDeltas:
@@ -188,12 +205,16 @@ class BodyLimit:
 
 def _refused_fields(req: BaseModel) -> list[str]:
     refused = REFUSED if isinstance(req, ChatRequest) else {**REFUSED, **TOOL_FIELDS}
-    return [name for name, neutral in refused.items()
-            if name in req.model_fields_set and getattr(req, name, neutral) not in (neutral, None)]
+    return [
+        name
+        for name, neutral in refused.items()
+        if name in req.model_fields_set and getattr(req, name, neutral) not in (neutral, None)
+    ]
 
 
-def create_app(service: EngineService, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(
+    service: EngineService, model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
     app = FastAPI(title="VeriCache", version="0.1")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     tokenizer = service.engine.tokenizer
@@ -228,8 +249,10 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
 
     @app.get("/v1/models")
     def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "vericache",
-                                            "created": 0}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "owned_by": "vericache", "created": 0}],
+        }
 
     def constraint_of(req: _Common) -> Constraint | None:
         fmt = req.response_format
@@ -240,27 +263,39 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         except ConstraintError as e:
             raise ServeError(400, str(e), param="response_format") from None
 
-    def submit(req: _Common, tokens: list[int], max_tokens: int | None,
-               constraint: Constraint | None = None) -> tuple[Handle, tuple[str, ...]]:
+    def submit(
+        req: _Common, tokens: list[int], max_tokens: int | None, constraint: Constraint | None = None
+    ) -> tuple[Handle, tuple[str, ...]]:
         refused = _refused_fields(req)
         if refused:
             raise ServeError(400, f"{refused[0]} is not supported by this server yet", param=refused[0])
         if req.n != 1:
             raise ServeError(400, "n > 1 is not supported", param="n")
         if req.model not in (None, model_name):
-            raise ServeError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
-                             "not_found_error", "model")
+            raise ServeError(
+                404,
+                f"model {req.model!r} is not served here; this server serves {model_name!r}",
+                "not_found_error",
+                "model",
+            )
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
-            sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                                      seed=req.seed or 0)
+            sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed or 0)
         except ValueError as e:
             raise ServeError(400, str(e)) from None
         v = req.vericache
-        handle = service.submit(tokens, max_new_tokens=16 if max_tokens is None else max_tokens, sampling=sampling,
-                                stop=stop, compressor=v.compressor, horizon=v.horizon,
-                                adaptive_horizon=v.adaptive_horizon, logprobs=bool(req.logprobs), check=v.check,
-                                constraint=constraint)
+        handle = service.submit(
+            tokens,
+            max_new_tokens=16 if max_tokens is None else max_tokens,
+            sampling=sampling,
+            stop=stop,
+            compressor=v.compressor,
+            horizon=v.horizon,
+            adaptive_horizon=v.adaptive_horizon,
+            logprobs=bool(req.logprobs),
+            check=v.check,
+            constraint=constraint,
+        )
         return handle, stop
 
     def wait(handle: Handle) -> GenerationResult:
@@ -272,8 +307,11 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         raise AssertionError("unreachable")
 
     def usage(handle: Handle, result: GenerationResult) -> dict:
-        return {"prompt_tokens": handle.prompt_tokens, "completion_tokens": len(result.tokens),
-                "total_tokens": handle.prompt_tokens + len(result.tokens)}
+        return {
+            "prompt_tokens": handle.prompt_tokens,
+            "completion_tokens": len(result.tokens),
+            "total_tokens": handle.prompt_tokens + len(result.tokens),
+        }
 
     def sse(chunks: Iterator[dict]) -> StreamingResponse:
         def body() -> Iterator[str]:
@@ -292,11 +330,19 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
                 chunk["choices"][0]["token_ids"] = value
                 yield chunk
             elif kind == "done":
-                yield make(deltas.finish(value.text), value.finish_reason,
-                           {"usage": usage(handle, value), "vericache": vericache_stats(handle, value)})
+                yield make(
+                    deltas.finish(value.text),
+                    value.finish_reason,
+                    {"usage": usage(handle, value), "vericache": vericache_stats(handle, value)},
+                )
             else:
-                yield {"error": {"message": f"request failed; no unverified token was returned: {value}",
-                                 "type": "server_error", "code": 500}}
+                yield {
+                    "error": {
+                        "message": f"request failed; no unverified token was returned: {value}",
+                        "type": "server_error",
+                        "code": 500,
+                    }
+                }
 
     @app.get("/v1/prefixes")
     def documents() -> dict:
@@ -318,10 +364,17 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
             except ValueError as e:
                 raise ServeError(400, str(e), param="role") from None
         prefix = service.register_document(tokens, req.name)
-        return {"object": "document", "digest": prefix.digest, "name": prefix.name, "tokens": len(prefix.tokens),
-                "submitted_tokens": len(tokens), "compressor": prefix.compressor.spec,
-                "compressed_kv_bytes": prefix.compressed_kv_bytes, "full_kv_bytes": prefix.full_kv_bytes,
-                "seconds": prefix.seconds}
+        return {
+            "object": "document",
+            "digest": prefix.digest,
+            "name": prefix.name,
+            "tokens": len(prefix.tokens),
+            "submitted_tokens": len(tokens),
+            "compressor": prefix.compressor.spec,
+            "compressed_kv_bytes": prefix.compressed_kv_bytes,
+            "full_kv_bytes": prefix.full_kv_bytes,
+            "seconds": prefix.seconds,
+        }
 
     @app.delete("/v1/prefixes/{digest}")
     def remove_document(digest: str) -> dict:
@@ -341,18 +394,28 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         created = int(time.time())
 
         def chunk(text: str, finish: str | None, extra: dict) -> dict:
-            return {"id": handle.id, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], **extra}
+            return {
+                "id": handle.id,
+                "object": "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                **extra,
+            }
 
         if req.stream:
             return sse(events(handle, stop, chunk))
         result = wait(handle)
-        body = chunk(result.text, result.finish_reason, {"usage": usage(handle, result),
-                                                          "vericache": vericache_stats(handle, result)})
+        body = chunk(
+            result.text,
+            result.finish_reason,
+            {"usage": usage(handle, result), "vericache": vericache_stats(handle, result)},
+        )
         if result.logprobs is not None:
-            body["choices"][0]["logprobs"] = {"tokens": [tokenizer.decode([t]) if tokenizer else str(t)
-                                                         for t in result.tokens],
-                                              "token_logprobs": result.logprobs}
+            body["choices"][0]["logprobs"] = {
+                "tokens": [tokenizer.decode([t]) if tokenizer else str(t) for t in result.tokens],
+                "token_logprobs": result.logprobs,
+            }
         body["choices"][0]["token_ids"] = result.tokens
         return body
 
@@ -365,8 +428,11 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
             if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
                 raise ServeError(400, f"messages.{i}.content is missing", param=f"messages.{i}.content")
             if m["role"] == "tool" and not m.get("tool_call_id"):
-                raise ServeError(400, f"messages.{i}.tool_call_id is missing: a tool turn answers a call",
-                                 param=f"messages.{i}.tool_call_id")
+                raise ServeError(
+                    400,
+                    f"messages.{i}.tool_call_id is missing: a tool turn answers a call",
+                    param=f"messages.{i}.tool_call_id",
+                )
         for field in ("tool_choice", "parallel_tool_calls"):
             if getattr(req, field) is not None and not req.tools:
                 raise ServeError(400, f"{field} is given without tools", param=field)
@@ -376,25 +442,38 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
             raise ServeError(400, str(e), param=e.param) from None
         if tools is None:
             constraint = constraint_of(req)
-        tokens = list(tokenizer.apply_chat_template(messages if tools is None else tools.messages,
-                                                    add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)["input_ids"])
+        tokens = list(
+            tokenizer.apply_chat_template(
+                messages if tools is None else tools.messages,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
         handle, stop = submit(req, tokens, req.max_completion_tokens or req.max_tokens, constraint)
         created = int(time.time())
 
         def chunk(text: str, finish: str | None, extra: dict) -> dict:
-            return {"id": handle.id.replace("cmpl", "chatcmpl"), "object": "chat.completion.chunk",
-                    "created": created, "model": model_name,
-                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
-                                 "finish_reason": finish}], **extra}
+            return {
+                "id": handle.id.replace("cmpl", "chatcmpl"),
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model_name,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": finish}],
+                **extra,
+            }
 
         if req.stream:
             return sse(events(handle, stop, chunk))
         result = wait(handle)
         logprobs = None
         if result.logprobs is not None:  # the verifier's log-probabilities (OpenAI's chat shape)
-            logprobs = {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "token_id": t}
-                                    for t, lp in zip(result.tokens, result.logprobs, strict=True)]}
+            logprobs = {
+                "content": [
+                    {"token": tokenizer.decode([t]), "logprob": lp, "token_id": t}
+                    for t, lp in zip(result.tokens, result.logprobs, strict=True)
+                ]
+            }
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         finish = result.finish_reason
         if tools is not None and tools.calls:
@@ -402,10 +481,15 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
                 finish = "tool_calls" if finish == "stop" else finish
-        return {"id": handle.id.replace("cmpl", "chatcmpl"), "object": "chat.completion", "created": created,
-                "model": model_name,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
-                "usage": usage(handle, result), "vericache": vericache_stats(handle, result)}
+        return {
+            "id": handle.id.replace("cmpl", "chatcmpl"),
+            "object": "chat.completion",
+            "created": created,
+            "model": model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
+            "usage": usage(handle, result),
+            "vericache": vericache_stats(handle, result),
+        }
 
     def render_tools(req: ChatRequest, messages: list[dict]) -> tuple[ToolPrompt | None, Constraint | None]:
         """The conversation in the model's tool-call format when the request has tools (or tool
@@ -419,8 +503,7 @@ def create_app(service: EngineService, model_name: str, api_key: str | None = No
         if req.stream:
             raise ToolError("streamed tool calls are not supported yet; send tools with stream false", "stream")
         if req.response_format is not None and req.response_format.get("type") != "text":
-            raise ToolError("tools and response_format constrain the answer twice; send one of them",
-                            "response_format")
+            raise ToolError("tools and response_format constrain the answer twice; send one of them", "response_format")
         tools = list(req.tools or [])
         required, name = required_function(tools, req.tool_choice) if tools else (False, None)
         constraint = None

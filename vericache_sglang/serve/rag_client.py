@@ -50,8 +50,11 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float, every_s: float
 
 def metric(text: str, name: str) -> float:
     """A sample's value from Prometheus text, summed over its label sets (0 when absent)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -61,9 +64,11 @@ def _mean(xs: list[float]) -> float | None:
 def wait_for_documents(client: httpx.Client, servers: list[str], digests: list[str], timeout_s: float) -> None:
     """Return when every server holds a copy of every document (it follows the store's catalog)."""
     for s in servers:
+
         def holds(s: str = s) -> bool:
             have = {d["digest"] for d in client.get(f"{s}/v1/prefixes").json()["data"]}
             return all(d in have for d in digests)
+
         _wait(f"{s}: shared documents", holds, timeout_s)
 
 
@@ -94,13 +99,26 @@ def chat_stream(client: httpx.Client, server: str, body: dict, tokens: list[int]
                 final = chunk
     if not final:
         raise ClusterError(f"{server}: the stream ended without its final chunk")
-    return {"tokens": tokens, "text": text, "ttft_s": first, "total_s": time.monotonic() - t0,
-            "vericache": final["vericache"], "usage": final["usage"]}
+    return {
+        "tokens": tokens,
+        "text": text,
+        "ttft_s": first,
+        "total_s": time.monotonic() - t0,
+        "vericache": final["vericache"],
+        "usage": final["usage"],
+    }
 
 
-def run(servers: list[str], documents: list[Path], questions: tuple[str, ...] = QUESTIONS, max_tokens: int = 32,
-        doc_chars: int = 2500, api_key: str | None = None, wait_s: float = 300.0,
-        log: Callable[[str], None] = print) -> dict:
+def run(
+    servers: list[str],
+    documents: list[Path],
+    questions: tuple[str, ...] = QUESTIONS,
+    max_tokens: int = 32,
+    doc_chars: int = 2500,
+    api_key: str | None = None,
+    wait_s: float = 300.0,
+    log: Callable[[str], None] = print,
+) -> dict:
     servers = [s.rstrip("/") for s in servers]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     for s in servers:
@@ -115,8 +133,10 @@ def run(servers: list[str], documents: list[Path], questions: tuple[str, ...] = 
                 raise ClusterError(f"registering {path}: HTTP {r.status_code}: {r.text}")
             doc = r.json() | {"text": text}
             docs.append(doc)
-            log(f"document {doc['name']}: {doc['tokens']} tokens registered on {servers[0]} in {doc['seconds']:.1f} s "
-                f"({doc['compressor']}, copy {doc['compressed_kv_bytes'] / 2**20:.2f} MiB)")
+            log(
+                f"document {doc['name']}: {doc['tokens']} tokens registered on {servers[0]} in {doc['seconds']:.1f} s "
+                f"({doc['compressor']}, copy {doc['compressed_kv_bytes'] / 2**20:.2f} MiB)"
+            )
         wait_for_documents(client, servers, [d["digest"] for d in docs], wait_s)
         log(f"every server holds a copy of {len(docs)} document(s)")
         rows = []
@@ -126,38 +146,75 @@ def run(servers: list[str], documents: list[Path], questions: tuple[str, ...] = 
                 server = servers[turn % len(servers)]
                 turn += 1
                 messages = [{"role": "system", "content": doc["text"]}, {"role": "user", "content": q}]
-                out = chat_stream(client, server, {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                                                   "vericache": {"check": True}})
+                out = chat_stream(
+                    client,
+                    server,
+                    {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "vericache": {"check": True}},
+                )
                 v, check = out["vericache"], out["vericache"]["check"] or {}
-                rows.append({"server": server, "document": doc["name"], "question": q, "shared": True,
-                             "prefix_tokens": v["prefix_tokens"], "ttft_s": out["ttft_s"], "total_s": out["total_s"],
-                             "tokens": len(out["tokens"]), "mean_accepted_length": v["mean_accepted_length"],
-                             "identical": check.get("identical"),
-                             "max_logit_abs_diff": check.get("max_logit_abs_diff")})
-                log(f"{server} {doc['name']}: prefix {v['prefix_tokens']} tok, TTFT {out['ttft_s']:.2f} s, "
+                rows.append(
+                    {
+                        "server": server,
+                        "document": doc["name"],
+                        "question": q,
+                        "shared": True,
+                        "prefix_tokens": v["prefix_tokens"],
+                        "ttft_s": out["ttft_s"],
+                        "total_s": out["total_s"],
+                        "tokens": len(out["tokens"]),
+                        "mean_accepted_length": v["mean_accepted_length"],
+                        "identical": check.get("identical"),
+                        "max_logit_abs_diff": check.get("max_logit_abs_diff"),
+                    }
+                )
+                log(
+                    f"{server} {doc['name']}: prefix {v['prefix_tokens']} tok, TTFT {out['ttft_s']:.2f} s, "
                     f"accepted {v['mean_accepted_length']:.2f}/verify, identical={check.get('identical')} "
-                    f"(max |dlogit| {check.get('max_logit_abs_diff')})")
+                    f"(max |dlogit| {check.get('max_logit_abs_diff')})"
+                )
             # the baseline: a request that names its compressor skips the shared copy: the document's full
             # KV is fetched from the store and the rest of the prompt prefilled (fetch-then-decode)
             messages = [{"role": "system", "content": doc["text"]}, {"role": "user", "content": questions[0]}]
-            out = chat_stream(client, servers[0], {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                                                   "vericache": {"compressor": doc["compressor"], "check": True}})
+            out = chat_stream(
+                client,
+                servers[0],
+                {
+                    "messages": messages,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "vericache": {"compressor": doc["compressor"], "check": True},
+                },
+            )
             check = out["vericache"]["check"] or {}
-            rows.append({"server": servers[0], "document": doc["name"], "question": questions[0], "shared": False,
-                         "prefix_tokens": out["vericache"]["prefix_tokens"], "ttft_s": out["ttft_s"],
-                         "total_s": out["total_s"], "tokens": len(out["tokens"]),
-                         "mean_accepted_length": out["vericache"]["mean_accepted_length"],
-                         "identical": check.get("identical"), "max_logit_abs_diff": check.get("max_logit_abs_diff")})
-            log(f"{servers[0]} {doc['name']} (fetch-then-decode, no shared copy): TTFT {out['ttft_s']:.2f} s, "
-                f"identical={check.get('identical')}")
+            rows.append(
+                {
+                    "server": servers[0],
+                    "document": doc["name"],
+                    "question": questions[0],
+                    "shared": False,
+                    "prefix_tokens": out["vericache"]["prefix_tokens"],
+                    "ttft_s": out["ttft_s"],
+                    "total_s": out["total_s"],
+                    "tokens": len(out["tokens"]),
+                    "mean_accepted_length": out["vericache"]["mean_accepted_length"],
+                    "identical": check.get("identical"),
+                    "max_logit_abs_diff": check.get("max_logit_abs_diff"),
+                }
+            )
+            log(
+                f"{servers[0]} {doc['name']} (fetch-then-decode, no shared copy): TTFT {out['ttft_s']:.2f} s, "
+                f"identical={check.get('identical')}"
+            )
         metrics = {}
         for s in servers:
             text = client.get(f"{s}/metrics").text
-            metrics[s] = {"prefix_hits": metric(text, "vericache_prefix_hits_total"),
-                          "documents": metric(text, "vericache_documents"),
-                          "requests_ok": metric(text, 'vericache_requests_total{status="ok"}'),
-                          "verify_passes": metric(text, "vericache_verify_passes_total"),
-                          "full_kv_fetched_bytes": metric(text, "vericache_full_kv_fetched_bytes_total")}
+            metrics[s] = {
+                "prefix_hits": metric(text, "vericache_prefix_hits_total"),
+                "documents": metric(text, "vericache_documents"),
+                "requests_ok": metric(text, 'vericache_requests_total{status="ok"}'),
+                "verify_passes": metric(text, "vericache_verify_passes_total"),
+                "full_kv_fetched_bytes": metric(text, "vericache_full_kv_fetched_bytes_total"),
+            }
     shared = [r for r in rows if r["shared"]]
     baseline = [r for r in rows if not r["shared"]]
     summary = {
@@ -171,7 +228,9 @@ def run(servers: list[str], documents: list[Path], questions: tuple[str, ...] = 
         "metrics": metrics,
         "rows": rows,
     }
-    log(f"{len(rows)} requests, identical to full-KV decoding: {summary['identical']}; TTFT with a shared document "
+    log(
+        f"{len(rows)} requests, identical to full-KV decoding: {summary['identical']}; TTFT with a shared document "
         f"{summary['ttft_s_shared_document']:.2f} s vs fetch-then-decode {summary['ttft_s_fetch_then_decode']:.2f} s; "
-        f"mean accepted length {summary['mean_accepted_length']:.2f}")
+        f"mean accepted length {summary['mean_accepted_length']:.2f}"
+    )
     return summary

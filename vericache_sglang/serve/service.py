@@ -88,9 +88,17 @@ class _Pending:
 
 
 class EngineService:
-    def __init__(self, engine: Engine, compressor: str = "snapkv:ratio=0.25", horizon: int = 16,
-                 kv_budget_bytes: int = 4 << 30, limits: Limits | None = None, metrics: Metrics | None = None,
-                 prefixes: PrefixRegistry | None = None, prefix_refresh_s: float = 2.0):
+    def __init__(
+        self,
+        engine: Engine,
+        compressor: str = "snapkv:ratio=0.25",
+        horizon: int = 16,
+        kv_budget_bytes: int = 4 << 30,
+        limits: Limits | None = None,
+        metrics: Metrics | None = None,
+        prefixes: PrefixRegistry | None = None,
+        prefix_refresh_s: float = 2.0,
+    ):
         self.engine = engine
         self.prefixes = prefixes
         self.prefix_refresh_s = prefix_refresh_s
@@ -100,10 +108,19 @@ class EngineService:
         self.metrics = metrics or Metrics()
         self.default_compressor = parse_spec(compressor)
         self.default_horizon = horizon
-        self.batch = BatchEngine(engine.runner, engine.store, self.default_compressor,
-                                 BatchConfig(mode="vericache", schedule="staggered", kv_budget_bytes=kv_budget_bytes,
-                                             max_running=self.limits.max_concurrency),
-                                 engine.config(horizon=horizon), engine.tokenizer)
+        self.batch = BatchEngine(
+            engine.runner,
+            engine.store,
+            self.default_compressor,
+            BatchConfig(
+                mode="vericache",
+                schedule="staggered",
+                kv_budget_bytes=kv_budget_bytes,
+                max_running=self.limits.max_concurrency,
+            ),
+            engine.config(horizon=horizon),
+            engine.tokenizer,
+        )
         self.batch.intake = self._intake
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()
@@ -118,8 +135,9 @@ class EngineService:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self.batch.serve, args=(self._stop,), name="vericache-engine",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self.batch.serve, args=(self._stop,), name="vericache-engine", daemon=True
+            )
             self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -127,10 +145,20 @@ class EngineService:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def submit(self, tokens: list[int], *, max_new_tokens: int, sampling: SamplingParams,
-               stop: tuple[str, ...] = (), compressor: str | None = None, horizon: int | None = None,
-               adaptive_horizon: bool = False, logprobs: bool = False, check: bool = False,
-               constraint: Constraint | None = None) -> Handle:
+    def submit(
+        self,
+        tokens: list[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop: tuple[str, ...] = (),
+        compressor: str | None = None,
+        horizon: int | None = None,
+        adaptive_horizon: bool = False,
+        logprobs: bool = False,
+        check: bool = False,
+        constraint: Constraint | None = None,
+    ) -> Handle:
         """Check and queue one request; raise ServeError (4xx) for what cannot be served."""
         lim = self.limits
         if not tokens:
@@ -139,14 +167,22 @@ class EngineService:
         if any(not 0 <= t < vocab for t in tokens):
             raise ServeError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         if len(tokens) > lim.max_prompt_tokens:
-            raise ServeError(400, f"the prompt has {len(tokens)} tokens; this server takes at most "
-                                  f"{lim.max_prompt_tokens}", param="prompt")
+            raise ServeError(
+                400,
+                f"the prompt has {len(tokens)} tokens; this server takes at most {lim.max_prompt_tokens}",
+                param="prompt",
+            )
         if not 1 <= max_new_tokens <= lim.max_new_tokens:
-            raise ServeError(400, f"max_tokens must be in [1, {lim.max_new_tokens}], got {max_new_tokens}",
-                             param="max_tokens")
+            raise ServeError(
+                400, f"max_tokens must be in [1, {lim.max_new_tokens}], got {max_new_tokens}", param="max_tokens"
+            )
         if len(tokens) + max_new_tokens >= self.engine.runner.max_positions:
-            raise ServeError(400, f"prompt ({len(tokens)}) plus max_tokens ({max_new_tokens}) exceed the model's "
-                                  f"context of {self.engine.runner.max_positions}", param="max_tokens")
+            raise ServeError(
+                400,
+                f"prompt ({len(tokens)}) plus max_tokens ({max_new_tokens}) exceed the model's "
+                f"context of {self.engine.runner.max_positions}",
+                param="max_tokens",
+            )
         x = self.default_horizon if horizon is None else horizon
         if not 1 <= x <= lim.max_horizon:
             raise ServeError(400, f"vericache.horizon must be in [1, {lim.max_horizon}], got {x}", param="vericache")
@@ -155,16 +191,26 @@ class EngineService:
         except SpecError as e:
             raise ServeError(400, f"vericache.compressor: {e}", param="vericache") from None
         try:
-            gen = self.engine.config(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=stop,
-                                     horizon=x, adaptive_horizon=adaptive_horizon, logprobs=logprobs,
-                                     keep_logits=check, constraint=constraint)
+            gen = self.engine.config(
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                stop_strings=stop,
+                horizon=x,
+                adaptive_horizon=adaptive_horizon,
+                logprobs=logprobs,
+                keep_logits=check,
+                constraint=constraint,
+            )
         except ValueError as e:
             raise ServeError(400, str(e)) from None
         with self._lock:
             if self._in_flight >= lim.max_concurrency:
                 self.metrics.failed("rejected")
-                raise ServeError(429, f"{self._in_flight} requests in flight; the limit is {lim.max_concurrency}",
-                                 "rate_limit_exceeded")
+                raise ServeError(
+                    429,
+                    f"{self._in_flight} requests in flight; the limit is {lim.max_concurrency}",
+                    "rate_limit_exceeded",
+                )
             self._in_flight += 1
             handle = Handle(f"cmpl-{next(self._ids)}", len(tokens), comp.spec, x)
             self._pending.append(_Pending(handle, list(tokens), gen, comp, compressor is not None, check))
@@ -172,8 +218,9 @@ class EngineService:
         return handle
 
     # shared documents
-    def register_document(self, tokens: list[int], name: str | None = None, timeout_s: float = 600.0
-                          ) -> RegisteredPrefix:
+    def register_document(
+        self, tokens: list[int], name: str | None = None, timeout_s: float = 600.0
+    ) -> RegisteredPrefix:
         """Prefill a document on the engine thread, store its full KV, list it in the store's catalog."""
         if self.prefixes is None:
             raise ServeError(400, "this server has no prefix registry (start it with --prefix-compressor)")
@@ -181,11 +228,15 @@ class EngineService:
             raise ServeError(400, "the document is empty", param="text")
         chunk = self.engine.store.chunk_tokens
         if len(tokens) < chunk:
-            raise ServeError(400, f"a document needs at least one store chunk of {chunk} tokens; it has "
-                                  f"{len(tokens)}", param="text")
+            raise ServeError(
+                400, f"a document needs at least one store chunk of {chunk} tokens; it has {len(tokens)}", param="text"
+            )
         if len(tokens) > self.limits.max_prompt_tokens:
-            raise ServeError(400, f"the document has {len(tokens)} tokens; this server takes at most "
-                                  f"{self.limits.max_prompt_tokens}", param="text")
+            raise ServeError(
+                400,
+                f"the document has {len(tokens)} tokens; this server takes at most {self.limits.max_prompt_tokens}",
+                param="text",
+            )
         try:
             return self._on_engine_thread(lambda: self.prefixes.register(tokens, name, publish=True), timeout_s)
         except StoreError as e:
@@ -215,9 +266,18 @@ class EngineService:
         """The documents this server holds a compressed copy of."""
         if self.prefixes is None:
             return []
-        return [{"digest": p.digest, "name": p.name, "tokens": len(p.tokens), "compressor": p.compressor.spec,
-                 "compressed_kv_bytes": p.compressed_kv_bytes, "full_kv_bytes": p.full_kv_bytes, "hits": p.hits}
-                for p in self.prefixes.prefixes]
+        return [
+            {
+                "digest": p.digest,
+                "name": p.name,
+                "tokens": len(p.tokens),
+                "compressor": p.compressor.spec,
+                "compressed_kv_bytes": p.compressed_kv_bytes,
+                "full_kv_bytes": p.full_kv_bytes,
+                "hits": p.hits,
+            }
+            for p in self.prefixes.prefixes
+        ]
 
     def _on_engine_thread(self, work: Callable[[], object], timeout_s: float) -> object:
         if not self.alive:
@@ -287,16 +347,19 @@ class EngineService:
             p.committed += len(tokens)
             handle.events.put(("tokens", tokens))
 
-        return {"on_commit": commit,
-                "on_done": lambda result: self._done(handle, result, p if p.check else None),
-                "on_error": lambda error: self._error(p, error)}
+        return {
+            "on_commit": commit,
+            "on_done": lambda result: self._done(handle, result, p if p.check else None),
+            "on_error": lambda error: self._error(p, error),
+        }
 
     def _error(self, p: _Pending, error: BaseException) -> None:
         """A request over a document whose full KV the store no longer serves starts again with a
         prefill, if it has not committed anything yet; anything else fails the request."""
         if p.prefix is not None and p.committed == 0 and isinstance(error, StoreError):
-            log.warning("request %s: document %s unavailable (%s); prefilling instead", p.handle.id, p.prefix.name,
-                        error)
+            log.warning(
+                "request %s: document %s unavailable (%s); prefilling instead", p.handle.id, p.prefix.name, error
+            )
             self.prefixes.by_digest.pop(p.prefix.digest, None)  # the next catalog sync adopts it again if it can
             self.metrics.store_error("outage")
             p.prefix, p.chosen = None, True

@@ -34,8 +34,11 @@ class Call:
     arguments: dict[str, Any]
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+        return {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
 
 
 class SmolLM2Tools:
@@ -49,9 +52,10 @@ class SmolLM2Tools:
         "required by the function, also point it out.\n\nYou have access to the following tools:\n<tools>{tools}"
         "</tools>\n\nThe output MUST strictly adhere to the following format, and NO other text MUST be included.\n"
         "The example format is as follows. Please make sure the parameter type is correct. If no function call is "
-        "needed, please make the tool calls an empty list '[]'.\n<tool_call>[\n{{\"name\": \"func_name1\", "
-        "\"arguments\": {{\"argument1\": \"value1\", \"argument2\": \"value2\"}}}},\n... (more tool calls as "
-        "required)\n]</tool_call>")
+        'needed, please make the tool calls an empty list \'[]\'.\n<tool_call>[\n{{"name": "func_name1", '
+        '"arguments": {{"argument1": "value1", "argument2": "value2"}}}},\n... (more tool calls as '
+        "required)\n]</tool_call>"
+    )
 
     @staticmethod
     def matches(chat_template: str | None) -> bool:
@@ -66,8 +70,10 @@ class SmolLM2Tools:
             if m["role"] == "system":
                 out[0]["content"] = f"{m['content']}\n\n{system}"
             elif m["role"] == "assistant" and m.get("tool_calls"):
-                calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
-                         for c in m["tool_calls"]]
+                calls = [
+                    {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                    for c in m["tool_calls"]
+                ]
                 out.append({"role": "assistant", "content": f"{OPEN}{json.dumps(calls)}{CLOSE}"})
             else:
                 out.append({"role": m["role"], "content": m.get("content") or ""})
@@ -83,8 +89,11 @@ class SmolLM2Tools:
             except json.JSONDecodeError:
                 continue  # not a call after all: stays text
             listed = listed if isinstance(listed, list) else [listed]
-            calls += [Call(c["name"], c.get("arguments") or {}) for c in listed
-                      if isinstance(c, dict) and isinstance(c.get("name"), str)]
+            calls += [
+                Call(c["name"], c.get("arguments") or {})
+                for c in listed
+                if isinstance(c, dict) and isinstance(c.get("name"), str)
+            ]
             rest = rest.replace(m.group(0), "")
         rest = rest.strip()
         return (rest or None) if calls else text, calls
@@ -95,10 +104,25 @@ class SmolLM2Tools:
         import xgrammar as xgr
 
         chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-        calls = {"type": "array", "minItems": 1, **({"maxItems": 1} if single else {}), "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": f["name"]},
-                                              "arguments": f.get("parameters") or {"type": "object"}},
-             "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]}}
+        calls = {
+            "type": "array",
+            "minItems": 1,
+            **({"maxItems": 1} if single else {}),
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {
+                            "name": {"const": f["name"]},
+                            "arguments": f.get("parameters") or {"type": "object"},
+                        },
+                        "required": ["name", "arguments"],
+                        "additionalProperties": False,
+                    }
+                    for f in chosen
+                ]
+            },
+        }
         literal = lambda text: xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
         return xgr.Grammar.concat(literal(OPEN), xgr.Grammar.from_json_schema(json.dumps(calls)), literal(CLOSE))
 
@@ -118,8 +142,10 @@ def tool_format(chat_template: str | None) -> SmolLM2Tools:
     for fmt in FORMATS:
         if fmt.matches(chat_template):
             return fmt
-    raise ToolError("this model's chat template has no tool-call format this server knows "
-                    f"(known: {', '.join(f.name for f in FORMATS)}); send the request without tools")
+    raise ToolError(
+        "this model's chat template has no tool-call format this server knows "
+        f"(known: {', '.join(f.name for f in FORMATS)}); send the request without tools"
+    )
 
 
 def required_function(tools: list[dict[str, Any]], choice: str | dict[str, Any] | None) -> tuple[bool, str | None]:
@@ -134,16 +160,19 @@ def required_function(tools: list[dict[str, Any]], choice: str | dict[str, Any] 
         if name not in names:
             raise ToolError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
         return True, name
-    raise ToolError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                    "{'name': ...}}", param="tool_choice")
+    raise ToolError(
+        "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        param="tool_choice",
+    )
 
 
 def check_tools(tools: list[dict[str, Any]]) -> None:
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
         if t.get("type") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise ToolError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
-                            "...}}}}")
+            raise ToolError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}}}}}"
+            )
         params = f.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON Schema object")

@@ -35,8 +35,10 @@ def verify_convention(backend: str | None) -> str:
         return "masked"
     if backend in CHAIN_VERIFY_BACKENDS:
         return "chain"
-    raise VeriCacheConfigError(f"VeriCache verifies with the attention backends "
-                               f"{', '.join(MASKED_VERIFY_BACKENDS + CHAIN_VERIFY_BACKENDS)}; got {backend!r}")
+    raise VeriCacheConfigError(
+        f"VeriCache verifies with the attention backends "
+        f"{', '.join(MASKED_VERIFY_BACKENDS + CHAIN_VERIFY_BACKENDS)}; got {backend!r}"
+    )
 
 
 class VeriCacheConfigError(ValueError):
@@ -52,15 +54,18 @@ def _unsupported_by_worker(compressor: Compressor | type[Compressor]) -> str:
     if getattr(compressor, "refreshes", False) and inner is not None and not inner.update_queries:
         extra -= {"update_queries"}  # refresh's alone: the worker captures the verify pass's queries
     if extra:
-        return (f"it needs {', '.join(sorted(extra))} from the model, and the worker captures only the "
-                "prefill's last queries")
+        return (
+            f"it needs {', '.join(sorted(extra))} from the model, and the worker captures only the "
+            "prefill's last queries"
+        )
     return ""
 
 
 def sglang_compressors() -> list[str]:
     """The registered compressors the SGLang worker can draft with."""
-    return [name for name, cls in sorted(COMPRESSORS.items())
-            if cls.kind == "dropping" and not _unsupported_by_worker(cls)]
+    return [
+        name for name, cls in sorted(COMPRESSORS.items()) if cls.kind == "dropping" and not _unsupported_by_worker(cls)
+    ]
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,10 @@ class VeriCacheConfig:
             )
         why = _unsupported_by_worker(compressor)
         if why:
-            raise VeriCacheConfigError(f"vericache-config compressor {compressor.spec!r}: {why}; the SGLang worker "
-                                       f"supports {', '.join(sglang_compressors())}")
+            raise VeriCacheConfigError(
+                f"vericache-config compressor {compressor.spec!r}: {why}; the SGLang worker "
+                f"supports {', '.join(sglang_compressors())}"
+            )
         object.__setattr__(self, "compressor", compressor.spec)
         if isinstance(self.horizon, bool) or not isinstance(self.horizon, int):
             raise VeriCacheConfigError(f"vericache-config horizon must be an integer, got {self.horizon!r}")
@@ -100,25 +107,27 @@ class VeriCacheConfig:
                 raise VeriCacheConfigError(f"vericache-config {name} must be a number in ({lo}, {hi}), got {value!r}")
         if self.full_kv not in FULL_KV_PLACES:
             raise VeriCacheConfigError(
-                f"vericache-config full_kv must be one of {', '.join(FULL_KV_PLACES)}, got {self.full_kv!r}")
+                f"vericache-config full_kv must be one of {', '.join(FULL_KV_PLACES)}, got {self.full_kv!r}"
+            )
         if compressor.lookup is not None and not compressor.lookup.model:
             # lookup alone drafts with no pass at all over a compressed KV the worker still keeps
             raise VeriCacheConfigError(
                 f"vericache-config compressor {compressor.spec!r}: the SGLang worker runs +lookup composed with "
-                "compressed-KV drafts (model=True)")
+                "compressed-KV drafts (model=True)"
+            )
         if self.verification not in VERIFICATIONS:
             renamed = " ('greedy' is now 'exact', the engine's name)" if self.verification == "greedy" else ""
             raise VeriCacheConfigError(
                 f"vericache-config verification must be one of {', '.join(VERIFICATIONS)}, "
-                f"got {self.verification!r}{renamed}")
+                f"got {self.verification!r}{renamed}"
+            )
         if not isinstance(self.store, str) or "://" not in self.store:
             raise VeriCacheConfigError(f"vericache-config store must be a store URL, got {self.store!r}")
         from remote_store import SCHEMES
 
         scheme = self.store.split("://", 1)[0]
         if scheme not in SCHEMES:
-            raise VeriCacheConfigError(
-                f"vericache-config store scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+            raise VeriCacheConfigError(f"vericache-config store scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
 
     @property
     def num_draft_tokens(self) -> int:
@@ -153,5 +162,6 @@ class VeriCacheConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise VeriCacheConfigError(
-                f"vericache-config has unknown keys {unknown}; known keys: {', '.join(sorted(known))}")
+                f"vericache-config has unknown keys {unknown}; known keys: {', '.join(sorted(known))}"
+            )
         return cls(**raw)

@@ -28,13 +28,18 @@ ATTR = "_vericache"  # the parsed config on the ServerArgs record
 def add_cli_args_hook(result: Any, parser: argparse.ArgumentParser) -> Any:
     group = parser.add_argument_group("VeriCache (lossless decoding on a compressed KV cache)")
     group.add_argument(
-        "--enable-vericache", action="store_true",
+        "--enable-vericache",
+        action="store_true",
         help="Draft with the compressed KV, verify with the full KV (VeriCache). Implies "
-             "--speculative-algorithm VERICACHE and --radix-cache-backend vericache.")
+        "--speculative-algorithm VERICACHE and --radix-cache-backend vericache.",
+    )
     group.add_argument(
-        "--vericache-config", type=str, default=None,
+        "--vericache-config",
+        type=str,
+        default=None,
         help="JSON object (or @file): compressor, horizon, full_kv (device|store|host), store URL, "
-             "verification (exact|rejection), reload_room and host_pool_ratio (full_kv=host).")
+        "verification (exact|rejection), reload_room and host_pool_ratio (full_kv=host).",
+    )
     return result
 
 
@@ -81,8 +86,10 @@ def _unsupported(server_args: ServerArgs, cfg: VeriCacheConfig) -> list[str]:
         if int(getattr(server_args, "page_size", 1) or 1) > 1:
             problems.append("--page-size > 1 with full_kv=host: offloaded rows are moved token by token")
         if str(getattr(server_args, "disaggregation_mode", "null")) not in ("null", "None"):
-            problems.append("prefill/decode disaggregation with full_kv=host: a retraction backup would read "
-                            "rows whose KV is in the host tier")
+            problems.append(
+                "prefill/decode disaggregation with full_kv=host: a retraction backup would read "
+                "rows whose KV is in the host tier"
+            )
     if int(getattr(server_args, "tp_size", 1) or 1) > 1:
         problems.append("tensor parallelism (--tp-size > 1): the compressed pool is not sharded yet")
     if int(getattr(server_args, "pp_size", 1) or 1) > 1:
@@ -92,8 +99,10 @@ def _unsupported(server_args: ServerArgs, cfg: VeriCacheConfig) -> list[str]:
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache: compressed copies live next to the radix tree")
     if getattr(server_args, "enable_hierarchical_cache", False):
-        problems.append("--enable-hierarchical-cache: VeriCache's worker moves the full KV itself "
-                        "(vericache-config full_kv=store); HiCache's device tree is not combined with it yet")
+        problems.append(
+            "--enable-hierarchical-cache: VeriCache's worker moves the full KV itself "
+            "(vericache-config full_kv=store); HiCache's device tree is not combined with it yet"
+        )
     return problems
 
 
@@ -111,7 +120,8 @@ def apply_implied_flags(server_args: ServerArgs, cfg: VeriCacheConfig) -> None:
         if current != _declared_default(name):
             flag = "--" + name.replace("_", "-")
             raise VeriCacheConfigError(
-                f"--enable-vericache sets {flag} {value!r}, but {flag} {current!r} was given; drop one of them")
+                f"--enable-vericache sets {flag} {value!r}, but {flag} {current!r} was given; drop one of them"
+            )
         setattr(server_args, name, value)
 
 

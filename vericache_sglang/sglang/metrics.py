@@ -36,40 +36,58 @@ class WorkerMetrics:
 
         names = list(labels)
         self.labels = labels
-        self.verify_passes = Counter("vericache_verify_passes", "Verification passes over the full KV",
-                                     names).labels(**labels)
-        self.drafted = Counter("vericache_drafted_tokens", "Tokens drafted over the compressed KV",
-                               names).labels(**labels)
+        self.verify_passes = Counter("vericache_verify_passes", "Verification passes over the full KV", names).labels(
+            **labels
+        )
+        self.drafted = Counter("vericache_drafted_tokens", "Tokens drafted over the compressed KV", names).labels(
+            **labels
+        )
         self.generated = Counter("vericache_generated_tokens", "Verified tokens committed", names).labels(**labels)
-        self.accepted_length = Histogram("vericache_accepted_length", "Tokens committed per verification", names,
-                                         buckets=ACCEPTED_BUCKETS).labels(**labels)
-        self.full_kv_written = Counter("vericache_full_kv_written_bytes",
-                                       "Full-KV bytes written to the store or the host tier", names).labels(**labels)
+        self.accepted_length = Histogram(
+            "vericache_accepted_length", "Tokens committed per verification", names, buckets=ACCEPTED_BUCKETS
+        ).labels(**labels)
+        self.full_kv_written = Counter(
+            "vericache_full_kv_written_bytes", "Full-KV bytes written to the store or the host tier", names
+        ).labels(**labels)
         # Reloads for verification (full_kv=host). The link wait stays at 0 in the worker: the
         # verify pass waits per layer on the device's stream, which the host cannot time without
         # a synchronisation; defined so the series exist under the names `vericache serve` uses.
-        self.full_kv_fetched = Counter("vericache_full_kv_fetched_bytes",
-                                       "Full-KV bytes fetched from the store or the host tier", names).labels(**labels)
-        self.link_wait = Counter("vericache_link_wait_seconds", "Time verifications waited for full-KV layers",
-                                 names).labels(**labels)
-        self.prefix_copies_made = Counter("vericache_prefix_copies_made", "Compressed copies made of cached prefixes",
-                                          names).labels(**labels)
-        self.prefix_copy_hits = Counter("vericache_prefix_copy_hits", "Requests that drafted over a cached prefix's "
-                                        "existing compressed copy", names).labels(**labels)
-        self.draft_passes = Counter("vericache_draft_passes", "Draft forward passes over the compressed KV (each "
-                                    "serves the whole batch; with +lookup one checks a whole chain)",
-                                    names).labels(**labels)
-        self.lookup_drafted = Counter("vericache_lookup_drafted_tokens", "Drafts copied by prompt lookup (+lookup)",
-                                      names).labels(**labels)
-        self.refreshes = Counter("vericache_refreshes", "Compressed-KV refreshes from a verification's attention "
-                                 "(+refresh)", names).labels(**labels)
+        self.full_kv_fetched = Counter(
+            "vericache_full_kv_fetched_bytes", "Full-KV bytes fetched from the store or the host tier", names
+        ).labels(**labels)
+        self.link_wait = Counter(
+            "vericache_link_wait_seconds", "Time verifications waited for full-KV layers", names
+        ).labels(**labels)
+        self.prefix_copies_made = Counter(
+            "vericache_prefix_copies_made", "Compressed copies made of cached prefixes", names
+        ).labels(**labels)
+        self.prefix_copy_hits = Counter(
+            "vericache_prefix_copy_hits", "Requests that drafted over a cached prefix's existing compressed copy", names
+        ).labels(**labels)
+        self.draft_passes = Counter(
+            "vericache_draft_passes",
+            "Draft forward passes over the compressed KV (each "
+            "serves the whole batch; with +lookup one checks a whole chain)",
+            names,
+        ).labels(**labels)
+        self.lookup_drafted = Counter(
+            "vericache_lookup_drafted_tokens", "Drafts copied by prompt lookup (+lookup)", names
+        ).labels(**labels)
+        self.refreshes = Counter(
+            "vericache_refreshes", "Compressed-KV refreshes from a verification's attention (+refresh)", names
+        ).labels(**labels)
         self._store_errors = Counter(STORE_ERRORS, STORE_ERRORS_HELP, [*names, "kind"])
         for kind in STORE_ERROR_KINDS:  # both series exist from the start, at 0
             self._store_errors.labels(**labels, kind=kind)
-        self.compressed_kv = Gauge("vericache_compressed_kv_bytes", "Compressed KV held for drafting", names,
-                                   multiprocess_mode="livesum").labels(**labels)
-        self.verify_seconds = Histogram("vericache_step_seconds", "Draft-and-verify step time", names,
-                                        buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)).labels(**labels)
+        self.compressed_kv = Gauge(
+            "vericache_compressed_kv_bytes", "Compressed KV held for drafting", names, multiprocess_mode="livesum"
+        ).labels(**labels)
+        self.verify_seconds = Histogram(
+            "vericache_step_seconds",
+            "Draft-and-verify step time",
+            names,
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+        ).labels(**labels)
 
     def store_error(self, kind: StoreErrorKind) -> None:
         self._store_errors.labels(**self.labels, kind=kind).inc()

@@ -23,8 +23,7 @@ def register() -> None:
     _register_spec_algorithm()
     _register_radix_cache()
     _registered = True
-    logger.info("VeriCache registered: --enable-vericache, speculative algorithm %s, backends %r",
-                ALGORITHM, BACKEND)
+    logger.info("VeriCache registered: --enable-vericache, speculative algorithm %s, backends %r", ALGORITHM, BACKEND)
 
 
 def _register_attention_backend() -> None:
@@ -60,7 +59,9 @@ def _register_spec_algorithm() -> None:
 
     if get_spec(ALGORITHM) is None:
         SpeculativeAlgorithm.register(
-            ALGORITHM, supports_overlap=False, validate_server_args=validate_server_args,
+            ALGORITHM,
+            supports_overlap=False,
+            validate_server_args=validate_server_args,
             spec_class=VeriCacheSpecAlgo,
         )(worker_factory)
 

@@ -30,8 +30,9 @@ def _layer_buffers(pool: MHATokenToKVPool, layer: int) -> tuple[torch.Tensor, to
     return pool._get_key_buffer(pool.start_layer + layer), pool._get_value_buffer(pool.start_layer + layer)
 
 
-def _write_layers(pool: MHATokenToKVPool, slots: torch.Tensor,
-                  layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _write_layers(
+    pool: MHATokenToKVPool, slots: torch.Tensor, layers: Iterable[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
     """Write per-layer ``(keys, values)`` ``[kv_heads, n, head_dim]`` into the pool at ``slots``."""
     idx = slots.to(device=pool.device, dtype=torch.int64)
     for layer, (k, v) in enumerate(layers):
@@ -70,8 +71,13 @@ class PoolParts(Sequence):
         return [(k_buf[self.idx].transpose(0, 1), v_buf[self.idx].transpose(0, 1))]
 
 
-def compress_from_pool(pool: MHATokenToKVPool, indices: torch.Tensor, layout: KVLayout, compressor: Compressor,
-                       obs: Observation | None = None) -> CompressedKV:
+def compress_from_pool(
+    pool: MHATokenToKVPool,
+    indices: torch.Tensor,
+    layout: KVLayout,
+    compressor: Compressor,
+    obs: Observation | None = None,
+) -> CompressedKV:
     """A compressed copy of the KV at ``indices``, made by ``compressor`` (its ``compress``)."""
     return compressor.compress(read_full_kv(pool, indices, layout), obs)
 

@@ -32,8 +32,13 @@ class VeriCacheSpecAlgo(CustomSpecAlgo):
     def has_draft_kv(self) -> bool:
         return False  # the compressed pool is private to the worker, not a draft KV in SGLang's pool
 
-    def create_future_map(self, device: torch.device | str, req_to_token_pool: ReqToTokenPool,
-                          needs_cpu_seq_lens: bool = True, needs_confidence_relay: bool = False) -> FutureMap:
+    def create_future_map(
+        self,
+        device: torch.device | str,
+        req_to_token_pool: ReqToTokenPool,
+        needs_cpu_seq_lens: bool = True,
+        needs_confidence_relay: bool = False,
+    ) -> FutureMap:
         from sglang.srt.managers.overlap_utils import FutureMap
 
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
@@ -44,7 +49,8 @@ def validate_server_args(server_args: Any) -> None:
     cfg = config_of(server_args)
     if cfg is None:
         raise VeriCacheConfigError(
-            f"--speculative-algorithm {ALGORITHM} is set by --enable-vericache; pass that flag instead")
+            f"--speculative-algorithm {ALGORITHM} is set by --enable-vericache; pass that flag instead"
+        )
     _check_attention_backends(server_args)
     if str(getattr(server_args, "model_path", "")).lower() in ("", "none", "dummy"):
         return
@@ -56,15 +62,17 @@ def validate_server_args(server_args: Any) -> None:
     problems = []
     if model.attention_arch == AttentionArch.MLA:
         problems.append("MLA attention (a latent KV the compressors do not read)")
-    if model.attention_arch == AttentionArch.SSM or getattr(model, "is_hybrid_ssm", False) or \
-            getattr(model, "mamba2_config", None) is not None:
+    if (
+        model.attention_arch == AttentionArch.SSM
+        or getattr(model, "is_hybrid_ssm", False)
+        or getattr(model, "mamba2_config", None) is not None
+    ):
         problems.append("Mamba / state-space layers (no KV to compress)")
     window = getattr(hf, "sliding_window", None)
     if getattr(model, "is_hybrid_swa", False) or (window and getattr(hf, "use_sliding_window", True)):
         problems.append(f"sliding-window attention (window {window}): the verifier would not read the full KV")
     if problems:
-        raise VeriCacheConfigError(
-            f"VeriCache cannot serve {model.model_path}: " + "; ".join(problems))
+        raise VeriCacheConfigError(f"VeriCache cannot serve {model.model_path}: " + "; ".join(problems))
 
 
 def _check_attention_backends(server_args: Any) -> None:
@@ -76,7 +84,8 @@ def _check_attention_backends(server_args: Any) -> None:
     if prefill and decode and prefill != decode:
         raise VeriCacheConfigError(
             f"VeriCache needs one attention backend for prefill, drafting and verification; got prefill {prefill!r}, "
-            f"decode {decode!r}")
+            f"decode {decode!r}"
+        )
     if prefill or decode:
         verify_convention(prefill or decode)
 

@@ -61,12 +61,21 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
         if mem_pool_host.dtype not in _TORCH_NAMES and torch.empty((), dtype=mem_pool_host.dtype).element_size() != 1:
             raise ValueError(f"vericache HiCache backend: unsupported host pool dtype {mem_pool_host.dtype}")
         cfg = self.config
-        described = "|".join(str(x) for x in (
-            getattr(cfg, "model_name", None), getattr(cfg, "tp_rank", 0), getattr(cfg, "tp_size", 1),
-            getattr(cfg, "is_mla_model", False), mem_pool_host.layout, mem_pool_host.page_size,
-            mem_pool_host.layer_num, getattr(mem_pool_host, "head_num", 0), getattr(mem_pool_host, "head_dim", 0),
-            mem_pool_host.dtype,
-        ))
+        described = "|".join(
+            str(x)
+            for x in (
+                getattr(cfg, "model_name", None),
+                getattr(cfg, "tp_rank", 0),
+                getattr(cfg, "tp_size", 1),
+                getattr(cfg, "is_mla_model", False),
+                mem_pool_host.layout,
+                mem_pool_host.page_size,
+                mem_pool_host.layer_num,
+                getattr(mem_pool_host, "head_num", 0),
+                getattr(mem_pool_host, "head_dim", 0),
+                mem_pool_host.dtype,
+            )
+        )
         self._layout_digest = hashlib.blake2b(described.encode(), digest_size=8).hexdigest()
 
     def _require_pool(self) -> HostKVCache:
@@ -80,8 +89,19 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
     def _header(self, key: str, payload_len: int) -> ChunkHeader:
         pool = self.mem_pool_host
         dtype = _TORCH_NAMES.get(pool.dtype, "uint8")
-        return ChunkHeader(KIND_PACKED, dtype, pool.layer_num, getattr(pool, "head_num", 0), pool.page_size,
-                           getattr(pool, "head_dim", 0), 0, self._layout_digest, _digest16(key), 0, payload_len)
+        return ChunkHeader(
+            KIND_PACKED,
+            dtype,
+            pool.layer_num,
+            getattr(pool, "head_num", 0),
+            pool.page_size,
+            getattr(pool, "head_dim", 0),
+            0,
+            self._layout_digest,
+            _digest16(key),
+            0,
+            payload_len,
+        )
 
     def _encode_page(self, key: str, page: torch.Tensor) -> bytes:
         raw = page.contiguous().view(torch.uint8).cpu().numpy().tobytes()  # .cpu() is a no-op on host pages
@@ -90,12 +110,19 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
     def _decode_page(self, key: str, record: bytes) -> torch.Tensor:
         header, payload = decode(record)
         pool = self.mem_pool_host
-        check(header, layout_digest=self._layout_digest, prefix_digest=_digest16(key), layer=pool.layer_num,
-              tokens=pool.page_size, start=0)
+        check(
+            header,
+            layout_digest=self._layout_digest,
+            prefix_digest=_digest16(key),
+            layer=pool.layer_num,
+            tokens=pool.page_size,
+            start=0,
+        )
         expected = pool.get_dummy_flat_data_page()
         if len(payload) != expected.numel() * expected.element_size():
-            raise ChunkError(f"page of {len(payload)} bytes, the host pool's pages hold "
-                             f"{expected.numel() * expected.element_size()}")
+            raise ChunkError(
+                f"page of {len(payload)} bytes, the host pool's pages hold {expected.numel() * expected.element_size()}"
+            )
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(expected.dtype)
 
     # -- zero-copy page interface (interface_v1) ------------------------------------------------
@@ -103,16 +130,20 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
     def _page_indices(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
         pool = self._require_pool()
         if len(host_indices) != len(keys) * pool.page_size:
-            raise ValueError(f"{len(keys)} pages need {len(keys) * pool.page_size} host indices, "
-                             f"got {len(host_indices)}")
+            raise ValueError(
+                f"{len(keys)} pages need {len(keys) * pool.page_size} host indices, got {len(host_indices)}"
+            )
         return [int(host_indices[i * pool.page_size]) for i in range(len(keys))]
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         pool = self._require_pool()
         starts = self._page_indices(keys, host_indices)
-        items = [(self._store_key(k), self._encode_page(k, pool.get_data_page(s, flat=True)))
-                 for k, s in zip(keys, starts, strict=True)]
+        items = [
+            (self._store_key(k), self._encode_page(k, pool.get_data_page(s, flat=True)))
+            for k, s in zip(keys, starts, strict=True)
+        ]
         try:
             self.store.put_many(items, ttl_s=self.ttl_s)
         except Exception as e:
@@ -122,8 +153,9 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
         self.stats_pages["set"] += len(keys)
         return [True] * len(keys)
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         pool = self._require_pool()
         starts = self._page_indices(keys, host_indices)
         try:
@@ -194,22 +226,27 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         self._require_pool()
         if values is None or len(values) != len(keys):
             raise ValueError("batch_set needs one page tensor per key")
         try:
-            self.store.put_many([(self._store_key(k), self._encode_page(k, v.reshape(-1)))
-                                 for k, v in zip(keys, values, strict=True)], ttl_s=self.ttl_s)
+            self.store.put_many(
+                [(self._store_key(k), self._encode_page(k, v.reshape(-1))) for k, v in zip(keys, values, strict=True)],
+                ttl_s=self.ttl_s,
+            )
         except Exception as e:
             logger.warning("vericache HiCache backend: batch_set of %d pages failed: %s", len(keys), e)
             return False
         return True
 
     def clear(self) -> None:
-        logger.info("vericache HiCache backend: clear() leaves the shared store as it is (pages expire or are "
-                    "evicted by the store)")
+        logger.info(
+            "vericache HiCache backend: clear() leaves the shared store as it is (pages expire or are "
+            "evicted by the store)"
+        )
 
     def get_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = dict(self.stats_pages)

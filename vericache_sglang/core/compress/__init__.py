@@ -30,8 +30,23 @@ from vericache_sglang.core.lookup import LookupParams
 
 COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls
-    for cls in (StreamingLLM, H2O, SnapKV, PyramidKV, AdaKV, ExpectedAttention, TOVA, KNorm, KVzip, Quest,
-                KIVI, Int8, Int4, KVQuant, RotateKV)
+    for cls in (
+        StreamingLLM,
+        H2O,
+        SnapKV,
+        PyramidKV,
+        AdaKV,
+        ExpectedAttention,
+        TOVA,
+        KNorm,
+        KVzip,
+        Quest,
+        KIVI,
+        Int8,
+        Int4,
+        KVQuant,
+        RotateKV,
+    )
 }
 
 __all__ = [
@@ -52,10 +67,10 @@ __all__ = [
 MODIFIERS: dict[str, type] = {"refresh": Refreshed.Params, "lookup": LookupParams}
 MODIFIER_SUMMARIES = {
     "refresh": "verification-guided refresh: its ratio of the prompt in rows re-chosen at each verification "
-               "from the verify pass's attention, swapped in from the full KV already on the device",
+    "from the verify pass's attention, swapped in from the full KV already on the device",
     "lookup": "prompt-lookup drafts: the continuation of a recurring n-gram of the context, composed with the "
-              "compressed KV's drafts: one forward checks a whole chain, so drafts cost fewer forwards "
-              "(trust=n: a match of n+ tokens is drafted even where the model disagrees)",
+    "compressed KV's drafts: one forward checks a whole chain, so drafts cost fewer forwards "
+    "(trust=n: a match of n+ tokens is drafted even where the model disagrees)",
 }
 
 
@@ -143,8 +158,10 @@ def _parse_one(spec: str) -> Compressor:
     name = _name(spec)
     cls = COMPRESSORS.get(name)
     if cls is None:
-        raise SpecError(f"unknown compressor {name!r} in spec {spec!r}; choices: {_choices()}; "
-                        f"modifiers after it: {', '.join(MODIFIERS)}")
+        raise SpecError(
+            f"unknown compressor {name!r} in spec {spec!r}; choices: {_choices()}; "
+            f"modifiers after it: {', '.join(MODIFIERS)}"
+        )
     params = _params(name, cls.Params, spec)
     try:
         return cls(**params)
@@ -177,18 +194,20 @@ def describe_compressors() -> list[dict[str, object]]:
     out = []
     for name, cls in sorted(COMPRESSORS.items()):
         hints = typing.get_type_hints(cls.Params)
-        out.append({
-            "name": name,
-            "kind": cls.kind,
-            "mode": cls.mode,
-            "summary": cls.summary,
-            "needs": sorted(cls.needs),
-            "document_scoring": cls.document_scoring,
-            "uniform_layers": cls.uniform_layers,
-            "evicts_while_decoding": cls.evicts,
-            "parameters": {
-                f.name: {"type": hints[f.name].__name__, "default": f.default}
-                for f in dataclasses.fields(cls.Params)
-            },
-        })
+        out.append(
+            {
+                "name": name,
+                "kind": cls.kind,
+                "mode": cls.mode,
+                "summary": cls.summary,
+                "needs": sorted(cls.needs),
+                "document_scoring": cls.document_scoring,
+                "uniform_layers": cls.uniform_layers,
+                "evicts_while_decoding": cls.evicts,
+                "parameters": {
+                    f.name: {"type": hints[f.name].__name__, "default": f.default}
+                    for f in dataclasses.fields(cls.Params)
+                },
+            }
+        )
     return out

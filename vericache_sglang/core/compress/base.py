@@ -122,15 +122,17 @@ class Compressor(ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec}>"
 
-    def refresh(self, ckv: CompressedKV, full: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
-                queries: Sequence[torch.Tensor]) -> None:
+    def refresh(
+        self,
+        ckv: CompressedKV,
+        full: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+        queries: Sequence[torch.Tensor],
+    ) -> None:
         """Re-choose rows from a verification (only where ``refreshes``); see ``refresh.py``."""
         raise NotImplementedError(f"{self.name} does not refresh")
 
     def compress(self, full: FullKV, obs: Observation | None = None) -> CompressedKV:
-        layers = [
-            self.compress_layer(i, k, v, obs) for i, (k, v) in enumerate(full.layers)
-        ]
+        layers = [self.compress_layer(i, k, v, obs) for i, (k, v) in enumerate(full.layers)]
         return CompressedKV(full.layout, self.base_spec, layers)
 
     @abstractmethod
@@ -155,8 +157,13 @@ class Compressor(ABC):
         ckv.layers[layer_idx] = self.update_layer(ckv.layers[layer_idx], k, v, positions, q)
 
     @torch.inference_mode()  # entered once here, not by each in-place write below
-    def commit(self, ckv: CompressedKV, kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor,
-               queries: list[torch.Tensor] | None = None) -> None:
+    def commit(
+        self,
+        ckv: CompressedKV,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        positions: torch.Tensor,
+        queries: list[torch.Tensor] | None = None,
+    ) -> None:
         """Fold committed tokens into every layer: ``kv[layer]`` their exact K/V, ``queries[layer]``
         their post-RoPE queries (required when ``"update_queries" in needs``)."""
         if queries is None and "update_queries" in self.needs:
@@ -192,8 +199,9 @@ class QuantizingCompressor(Compressor):
         return self.quantize_layer(layer_idx, k, v, positions, obs)
 
     @abstractmethod
-    def quantize_layer(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                       obs: Observation | None) -> CompressedLayer:
+    def quantize_layer(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, obs: Observation | None
+    ) -> CompressedLayer:
         """Quantize tokens at ``positions`` ``[kv_heads, n]``; the layer's ``exact_kv`` gives rows by
         column index (the same as positions when nothing was dropped)."""
 
@@ -203,8 +211,9 @@ class KeepingDropper(Compressor):
 
     kind = "dropping"
 
-    def update_layer(self, layer: CompressedLayer, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     q: torch.Tensor | None) -> CompressedLayer:
+    def update_layer(
+        self, layer: CompressedLayer, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, q: torch.Tensor | None
+    ) -> CompressedLayer:
         assert isinstance(layer, DroppedLayer)
         layer.append(k, v, positions)
         return layer
@@ -255,8 +264,9 @@ class DroppedLayer(CompressedLayer):
         for rows, new in zip(self._rows(), (k, v, pos), strict=True):
             rows.append(new)
 
-    def read_with_drafts(self, offset: int, k: torch.Tensor, v: torch.Tensor,
-                         query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_with_drafts(
+        self, offset: int, k: torch.Tensor, v: torch.Tensor, query: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values, _ = self._rows()
         return keys.with_tail(offset, k), values.with_tail(offset, v)
 

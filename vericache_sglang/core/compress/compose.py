@@ -28,8 +28,9 @@ class ComposedLayer(CompressedLayer):
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.read()
 
-    def read_with_drafts(self, offset: int, k: torch.Tensor, v: torch.Tensor,
-                         query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def read_with_drafts(
+        self, offset: int, k: torch.Tensor, v: torch.Tensor, query: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.inner.read_with_drafts(offset, k, v, query)
 
     @property
@@ -53,15 +54,21 @@ class Composed(Compressor):
 
     def __init__(self, dropper: Compressor, quantizer: Compressor):
         if dropper.kind != "dropping":
-            raise ValueError(f"composition {dropper.name}+{quantizer.name}: the first part must be a token "
-                             f"dropper, {dropper.name} is a {dropper.kind} compressor (write dropper+quantizer)")
+            raise ValueError(
+                f"composition {dropper.name}+{quantizer.name}: the first part must be a token "
+                f"dropper, {dropper.name} is a {dropper.kind} compressor (write dropper+quantizer)"
+            )
         if not isinstance(quantizer, QuantizingCompressor):
-            raise ValueError(f"composition {dropper.name}+{quantizer.name}: the second part must be a quantizer, "
-                             f"{quantizer.name} is a {quantizer.kind} compressor")
+            raise ValueError(
+                f"composition {dropper.name}+{quantizer.name}: the second part must be a quantizer, "
+                f"{quantizer.name} is a {quantizer.kind} compressor"
+            )
         if dropper.evicts:
-            raise ValueError(f"composition {dropper.name}+{quantizer.name}: {dropper.name} evicts tokens while "
-                             "decoding, which a quantizer's packed blocks cannot follow; compose a dropper that "
-                             "keeps what it chose (snapkv, pyramidkv, adakv, knorm, expected_attention, kvzip)")
+            raise ValueError(
+                f"composition {dropper.name}+{quantizer.name}: {dropper.name} evicts tokens while "
+                "decoding, which a quantizer's packed blocks cannot follow; compose a dropper that "
+                "keeps what it chose (snapkv, pyramidkv, adakv, knorm, expected_attention, kvzip)"
+            )
         self.dropper, self.quantizer = dropper, quantizer
         self.name = f"{dropper.name}+{quantizer.name}"
         self.needs = dropper.needs | quantizer.needs

@@ -75,6 +75,8 @@ class Observation:
 
     def model(self, who: str) -> ObservationSource:
         if self.source is None:
-            raise ValueError(f"{who} needs the model behind the prefill (prompt queries, rotary embedding), "
-                             "which this path does not provide")
+            raise ValueError(
+                f"{who} needs the model behind the prefill (prompt queries, rotary embedding), "
+                "which this path does not provide"
+            )
         return self.source

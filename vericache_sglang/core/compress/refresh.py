@@ -64,8 +64,14 @@ class RefreshedLayer(CompressedLayer):
     """The inner compressor's layer plus ``rows`` exact refreshed rows per head (held first in a
     draft window's reads, so the inner layer's in-place room serves both)."""
 
-    def __init__(self, inner: CompressedLayer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                 scores: torch.Tensor | None = None):
+    def __init__(
+        self,
+        inner: CompressedLayer,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        scores: torch.Tensor | None = None,
+    ):
         self.inner = inner
         self.keys, self.values, self.positions = keys, values, positions  # [kv_heads, r(, head_dim)]
         self.scores = scores  # [kv_heads, n] every full-KV row's decayed score (with ``decay``)
@@ -95,8 +101,9 @@ class RefreshedLayer(CompressedLayer):
         k, v = self.inner.read_for(query)
         return torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
 
-    def read_with_drafts(self, offset: int, k: torch.Tensor, v: torch.Tensor,
-                         query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def read_with_drafts(
+        self, offset: int, k: torch.Tensor, v: torch.Tensor, query: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         # Attention is order-free over the compressed rows: the refreshed rows go into the inner
         # layer's room first (once per window), the window's tokens after them.
         if offset == 0:
@@ -111,8 +118,11 @@ class RefreshedLayer(CompressedLayer):
         if inner is None:
             return mine
         pos, k, v = inner
-        return (torch.cat([self.positions, pos.to(self.positions.dtype)], dim=1),
-                torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1))
+        return (
+            torch.cat([self.positions, pos.to(self.positions.dtype)], dim=1),
+            torch.cat([self.keys, k], dim=1),
+            torch.cat([self.values, v], dim=1),
+        )
 
 
 def refresh_scores(queries: torch.Tensor, keys: Sequence[torch.Tensor], causal: bool) -> torch.Tensor:
@@ -150,8 +160,10 @@ class Refreshed(Compressor):
         if isinstance(inner, Refreshed):
             raise ValueError("refresh given twice")
         if inner.kind == "quantization":
-            raise ValueError(f"refresh after {inner.name} alone: a quantizer holds every token, so there is no "
-                             f"row to add; put a dropper before it (snapkv:ratio=0.5+{inner.name}+refresh)")
+            raise ValueError(
+                f"refresh after {inner.name} alone: a quantizer holds every token, so there is no "
+                f"row to add; put a dropper before it (snapkv:ratio=0.5+{inner.name}+refresh)"
+            )
         self.inner = inner
         super().__init__(**params)
         self.name = f"{inner.name}+refresh"
@@ -196,12 +208,15 @@ class Refreshed(Compressor):
 
     def update_layer(self, layer: CompressedLayer, k, v, positions, q) -> CompressedLayer:
         assert isinstance(layer, RefreshedLayer)
-        layer.inner = self.inner.update_layer(layer.inner, k, v, positions,
-                                              q if self.inner.update_queries else None)
+        layer.inner = self.inner.update_layer(layer.inner, k, v, positions, q if self.inner.update_queries else None)
         return layer
 
-    def refresh(self, ckv: CompressedKV, full: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
-                queries: Sequence[torch.Tensor]) -> None:
+    def refresh(
+        self,
+        ckv: CompressedKV,
+        full: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+        queries: Sequence[torch.Tensor],
+    ) -> None:
         """Re-choose every layer's refreshed rows. ``full[layer]`` is the full KV in parts, in
         position order (the fetched KV, then the verify pass's committed tokens); ``queries[layer]``
         ``[q_heads, m, d]`` are the committed tokens' queries, the last ``m`` rows of it."""
@@ -209,8 +224,15 @@ class Refreshed(Compressor):
             assert isinstance(layer, RefreshedLayer)
             ckv.layers[i] = self._choose(layer.inner, full[i], queries[i], layer.rows, layer.scores, causal=True)
 
-    def _choose(self, inner: CompressedLayer, parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                queries: torch.Tensor | None, rows: int, before: torch.Tensor | None, causal: bool) -> RefreshedLayer:
+    def _choose(
+        self,
+        inner: CompressedLayer,
+        parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        queries: torch.Tensor | None,
+        rows: int,
+        before: torch.Tensor | None,
+        causal: bool,
+    ) -> RefreshedLayer:
         hk = parts[0][0].shape[0]
         n = sum(k.shape[1] for k, _ in parts)
         device = parts[0][0].device
@@ -236,8 +258,9 @@ class Refreshed(Compressor):
         return RefreshedLayer(inner, keys, values, keep.to(torch.int32), kept)
 
 
-def gather_rows(parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_rows(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[kv_heads, r, d]`` at positions ``rows`` ``[kv_heads, r]`` of a KV held in
     parts (in position order): each part serves the rows that fall in it."""
     if len(parts) == 1:

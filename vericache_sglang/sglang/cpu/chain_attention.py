@@ -30,8 +30,15 @@ NAME = "vericache_torch_native"
 
 
 class ChainVerifyTorchNative(TorchNativeAttnBackend):
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
         if not forward_batch.forward_mode.is_target_verify() or layer.is_cross_attention:
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if save_kv_cache and k is not None and v is not None:
@@ -45,8 +52,9 @@ class ChainVerifyTorchNative(TorchNativeAttnBackend):
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         req_to_token = self.req_to_token_pool.req_to_token
         chain = torch.arange(width, device=q.device)
-        for i, (row, committed) in enumerate(zip(forward_batch.req_pool_indices.tolist(),
-                                                 forward_batch.seq_lens.tolist(), strict=True)):
+        for i, (row, committed) in enumerate(
+            zip(forward_batch.req_pool_indices.tolist(), forward_batch.seq_lens.tolist(), strict=True)
+        ):
             total = committed + width
             idx = req_to_token[row, :total]
             keys = k_cache[idx].movedim(0, 1).to(q.dtype)  # [kv_heads, total, d]
@@ -54,8 +62,13 @@ class ChainVerifyTorchNative(TorchNativeAttnBackend):
             visible = torch.arange(total, device=q.device)[None, :] <= (committed + chain)[:, None]  # [width, total]
             rows = slice(i * width, (i + 1) * width)
             out = scaled_dot_product_attention(
-                q_[rows].movedim(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=visible,
-                scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
+                q_[rows].movedim(0, 1).unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
+                attn_mask=visible,
+                scale=layer.scaling,
+                enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+            )
             o[rows] = out.squeeze(0).movedim(0, 1)
         return o.view(q.shape[0], heads * layer.v_head_dim)
 

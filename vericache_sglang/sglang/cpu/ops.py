@@ -26,8 +26,9 @@ import torch
 SOURCE = "vericache_sglang.sglang.cpu.ops (torch stand-ins for SGLang's CPU sgl_kernel ops)"
 
 
-def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor,
-                                src_loc: torch.Tensor) -> None:
+def copy_all_layer_kv_cache_cpu(
+    data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
     """For every buffer ``i`` (base address ``data_ptrs[i]``, rows of ``strides[i]`` bytes), copy
     row ``src_loc[j]`` to row ``tgt_loc[j]`` for every ``j``. All sources are read before any row is
     written, so overlapping moves (a row both a source and a target) are safe."""
@@ -47,9 +48,14 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, 
         view[tgt] = view[src]  # advanced indexing gathers the sources into a copy first
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                                 start_offset: torch.Tensor, end_offset: torch.Tensor,
-                                 out_cache_loc: torch.Tensor, pool_len: int) -> None:
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
     """For request ``i``: ``req_to_token[req_pool_indices[i], start[i]:end[i]]`` gets the next
     ``end[i] - start[i]`` entries of ``out_cache_loc`` (request ``i``'s come after those of every
     earlier request)."""
@@ -71,7 +77,8 @@ def _not_provided(name: str) -> Callable[..., Any]:
         raise NotImplementedError(
             f"sgl_kernel.{name} is not available on this CPU: SGLang's CPU kernel package is not installed, "
             f"and {SOURCE} supplies only copy_all_layer_kv_cache_cpu and assign_req_to_token_pool_cpu. "
-            "EAGLE/n-gram speculative decoding needs the real sgl_kernel CPU build.")
+            "EAGLE/n-gram speculative decoding needs the real sgl_kernel CPU build."
+        )
 
     op.__name__ = op.__qualname__ = name
     return op

@@ -48,7 +48,8 @@ class _StandInLoader(importlib.abc.Loader):
         def __getattr__(name: str) -> object:
             raise AttributeError(
                 f"module 'sgl_kernel' (the stand-in of {cpu_kernels.SOURCE}) has no attribute {name!r}; "
-                f"it provides {', '.join(module.__all__)}")
+                f"it provides {', '.join(module.__all__)}"
+            )
 
         module.__getattr__ = __getattr__
 
@@ -56,8 +57,9 @@ class _StandInLoader(importlib.abc.Loader):
 class SglKernelStandIn(importlib.abc.MetaPathFinder):
     """Finds ``sgl_kernel`` only when every finder before it (the real package's) found nothing."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != MODULE:
             return None
         return importlib.machinery.ModuleSpec(MODULE, _StandInLoader(), origin="vericache-cpu-stand-in")

@@ -60,7 +60,8 @@ def create_draft_backend(runner: ModelRunner) -> AttentionBackend:
     if pools is None:
         raise ValueError(
             "the vericache attention backend reads VeriCache's private compressed pool; it is selected by "
-            "--enable-vericache for drafting, not as the server's --attention-backend")
+            "--enable-vericache for drafting, not as the server's --attention-backend"
+        )
     if pools.inner_backend not in ATTENTION_BACKENDS or pools.inner_backend == "vericache":
         raise ValueError(f"vericache draft backend cannot wrap {pools.inner_backend!r}")
     with pools_bound(runner, pools):

@@ -46,20 +46,39 @@ class _Row:
 
 
 class CompressedDraftPool:
-    def __init__(self, *, layout: KVLayout, capacity_tokens: int, max_requests: int, max_context_len: int,
-                 horizon: int, compressor: Compressor, device: str, inner_backend: str = "triton",
-                 scratch: int | None = None):
+    def __init__(
+        self,
+        *,
+        layout: KVLayout,
+        capacity_tokens: int,
+        max_requests: int,
+        max_context_len: int,
+        horizon: int,
+        compressor: Compressor,
+        device: str,
+        inner_backend: str = "triton",
+        scratch: int | None = None,
+    ):
         self.layout = layout
         self.horizon = horizon
         self.scratch = horizon if scratch is None else scratch
         self.compressor = compressor
-        self.req_to_token_pool = ReqToTokenPool(size=max_requests, max_context_len=max_context_len,
-                                                device=device, enable_memory_saver=False)
+        self.req_to_token_pool = ReqToTokenPool(
+            size=max_requests, max_context_len=max_context_len, device=device, enable_memory_saver=False
+        )
         self.token_to_kv_pool = MHATokenToKVPool(
-            size=capacity_tokens, page_size=1, dtype=layout.dtype, head_num=layout.num_kv_heads,
-            head_dim=layout.head_dim, layer_num=layout.num_layers, device=device, enable_memory_saver=False)
-        self.allocator = TokenToKVPoolAllocator(size=capacity_tokens, dtype=layout.dtype, device=device,
-                                                kvcache=self.token_to_kv_pool, need_sort=False)
+            size=capacity_tokens,
+            page_size=1,
+            dtype=layout.dtype,
+            head_num=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            layer_num=layout.num_layers,
+            device=device,
+            enable_memory_saver=False,
+        )
+        self.allocator = TokenToKVPoolAllocator(
+            size=capacity_tokens, dtype=layout.dtype, device=device, kvcache=self.token_to_kv_pool, need_sort=False
+        )
         self.pools = DraftPools(self.req_to_token_pool, self.token_to_kv_pool, self.allocator, inner_backend)
         self.rows: dict[str, _Row] = {}
 
@@ -84,9 +103,13 @@ class CompressedDraftPool:
         self.rows[rid] = row
         return row.index
 
-    def commit(self, rid: str, full: FullKV, positions: torch.Tensor,
-               refresh: tuple[Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]] | None = None
-               ) -> None:
+    def commit(
+        self,
+        rid: str,
+        full: FullKV,
+        positions: torch.Tensor,
+        refresh: tuple[Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]] | None = None,
+    ) -> None:
         """Fold committed tokens' exact K/V ``full`` (at absolute ``positions``) into the row.
 
         ``refresh``: the request's whole full KV in parts per layer (up to and including these
@@ -127,7 +150,7 @@ class CompressedDraftPool:
 
     def scratch_slots(self, rid: str) -> torch.Tensor:
         row = self.rows[rid]
-        return row.slots[row.kept:]
+        return row.slots[row.kept :]
 
     def nbytes(self) -> int:
         return sum(row.kv.nbytes for row in self.rows.values())

@@ -126,8 +126,7 @@ class VeriCacheRadixCache(RadixCache):
     def node_at(self, req: Req, length: int) -> TreeNode:
         """The node ending exactly ``length`` tokens into ``req``'s cached prompt (SGLang's match
         splits a node there if needed); ``length`` must not exceed what is cached."""
-        key = RadixKey(token_ids=req.origin_input_ids, extra_key=req.extra_key, limit=length,
-                       cache_salt=req.cache_salt)
+        key = RadixKey(token_ids=req.origin_input_ids, extra_key=req.extra_key, limit=length, cache_salt=req.cache_salt)
         node = self.match_prefix(MatchPrefixParams(key=key)).last_device_node
         if self._path_len(node) != length:
             raise ValueError(f"the tree holds {self._path_len(node)} tokens of this prompt, not {length}")

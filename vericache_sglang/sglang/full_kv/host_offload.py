@@ -61,8 +61,13 @@ def measure_link(device: torch.device | str) -> float:
 
 
 class HostOffload:
-    def __init__(self, cfg: VeriCacheConfig, model_runner: ModelRunner, allocator: BaseTokenToKVPoolAllocator,
-                 on_release: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg: VeriCacheConfig,
+        model_runner: ModelRunner,
+        allocator: BaseTokenToKVPoolAllocator,
+        on_release: Callable[[str], None],
+    ):
         pool = model_runner.token_to_kv_pool
         if pool.page_size != 1:
             raise ValueError("full_kv=host needs --page-size 1 (offloaded rows move token by token)")
@@ -79,8 +84,11 @@ class HostOffload:
         # the window: the drafts, then room for verify groups past them
         self.window = 4 * (cfg.horizon + 1)
         self.scheduler = StaggeredScheduler(
-            window=self.window, iteration_s=0.0, link_bytes_s=measure_link(pool.device),
-            memory_capacity=self.arena_slots * self.tier.bytes_per_token)
+            window=self.window,
+            iteration_s=0.0,
+            link_bytes_s=measure_link(pool.device),
+            memory_capacity=self.arena_slots * self.tier.bytes_per_token,
+        )
         self.offloaded_bytes = 0  # totals, for the worker's metrics
         self.reloaded_bytes = 0
         self._verify_from = 0
@@ -143,8 +151,13 @@ class HostOffload:
         held = self.ledger.held(rid)
         return held is not None and held[1] > held[0]
 
-    def verify(self, reqs: list[Req], verify: Callable[[torch.Tensor], torch.Tensor], width: int,
-               lent: Callable[[list[int], torch.Tensor], None] | None = None) -> torch.Tensor:
+    def verify(
+        self,
+        reqs: list[Req],
+        verify: Callable[[torch.Tensor], torch.Tensor],
+        width: int,
+        lent: Callable[[list[int], torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """Run ``verify(batch_indices) -> logits [len * width, vocab]`` over groups: first the
         requests with nothing offloaded, then each group the scheduler placed, its reloads lent to
         its rows for the pass. Returns the logits of the whole batch, in batch order.

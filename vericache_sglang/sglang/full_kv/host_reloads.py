@@ -43,8 +43,9 @@ class Reload:
 
 
 class StaggeredReloads:
-    def __init__(self, tier: HostFullKV, scheduler: StaggeredScheduler,
-                 allocator: SlotArena | BaseTokenToKVPoolAllocator):
+    def __init__(
+        self, tier: HostFullKV, scheduler: StaggeredScheduler, allocator: SlotArena | BaseTokenToKVPoolAllocator
+    ):
         self.tier = tier
         self.scheduler = scheduler
         self.allocator = allocator
@@ -60,8 +61,11 @@ class StaggeredReloads:
         """Start every reload whose reservation begins by this iteration (one H2D submission); a
         reservation made after this iteration's call starts at the next."""
         now = self.scheduler.now
-        due = [r for r in self.scheduler.reservations.values()
-               if r.reload_start <= now and r.request_id not in self.inflight]
+        due = [
+            r
+            for r in self.scheduler.reservations.values()
+            if r.reload_start <= now and r.request_id not in self.inflight
+        ]
         if not due:
             return []
         taken: list[tuple[Reservation, torch.Tensor]] = []
@@ -71,8 +75,10 @@ class StaggeredReloads:
             if slots is None:
                 for _, s in taken:
                     self.allocator.free(s)
-                raise ReloadRoomExhausted(f"request {res.request_id}: {n} device slots for its reload, "
-                                          f"the allocator has {self.allocator.available_size()}")
+                raise ReloadRoomExhausted(
+                    f"request {res.request_id}: {n} device slots for its reload, "
+                    f"the allocator has {self.allocator.available_size()}"
+                )
             taken.append((res, slots))
         producer = self.tier.reload([(res.request_id, slots) for res, slots in taken])
         started = [Reload(res.request_id, slots, producer, res) for res, slots in taken]

@@ -44,8 +44,9 @@ class SlotArena:
             raise ValueError(f"the reload arena needs > 0 slots, got {num_slots}")
         slots = allocator.alloc(num_slots)
         if slots is None:
-            raise ValueError(f"the KV pool has {allocator.available_size()} free slots, the reload arena "
-                             f"asks for {num_slots}")
+            raise ValueError(
+                f"the KV pool has {allocator.available_size()} free slots, the reload arena asks for {num_slots}"
+            )
         self.owner = allocator
         self.size = num_slots
         self._free = slots.to(torch.int64)
@@ -102,7 +103,7 @@ class RequestOffload:
             raise RuntimeError(f"request {rid} holds lent slots (a verification has not returned them)")
         if end <= rec.end:
             return 0
-        positions = self.req_to_token[row, rec.end:end]
+        positions = self.req_to_token[row, rec.end : end]
         slots = positions.to(torch.int64).clone()
         if bool((slots == PAD_SLOT).any()):
             raise ValueError(f"request {rid}: positions [{rec.end}, {end}) include unallocated slots")
@@ -126,7 +127,7 @@ class RequestOffload:
             raise RuntimeError(f"request {rid} already holds lent slots")
         if slots.numel() != rec.end - rec.start:
             raise ValueError(f"request {rid}: {slots.numel()} slots for {rec.end - rec.start} offloaded positions")
-        self.req_to_token[rec.row, rec.start:rec.end] = slots.to(self.req_to_token.dtype)
+        self.req_to_token[rec.row, rec.start : rec.end] = slots.to(self.req_to_token.dtype)
         rec.lent = slots
 
     def unlend(self, rid: str) -> torch.Tensor:
@@ -134,7 +135,7 @@ class RequestOffload:
         rec = self._by_rid[rid]
         if rec.lent is None:
             raise RuntimeError(f"request {rid} holds no lent slots")
-        self.req_to_token[rec.row, rec.start:rec.end] = PAD_SLOT
+        self.req_to_token[rec.row, rec.start : rec.end] = PAD_SLOT
         slots, rec.lent = rec.lent, None
         return slots
 
@@ -159,7 +160,7 @@ class RequestOffload:
             return
         del self._by_row[rec.row]
         if rec.lent is not None:
-            self.req_to_token[rec.row, rec.start:rec.end] = PAD_SLOT
+            self.req_to_token[rec.row, rec.start : rec.end] = PAD_SLOT
         self.tier.release(rid)
         for listener in self.on_release:
             listener(rid)

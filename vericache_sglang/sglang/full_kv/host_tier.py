@@ -38,18 +38,27 @@ class HostTierFull(RuntimeError):
 class _HostPool(MHATokenToKVPoolHost):
     """SGLang's MHA host pool, plus a ``torch`` io backend for devices without sgl_kernel."""
 
-    def load_to_device_per_layer(self, device_pool: MHATokenToKVPool, host_indices: torch.Tensor,
-                                 device_indices: torch.Tensor, layer_id: int, io_backend: str, *,
-                                 is_draft: bool = False) -> None:
+    def load_to_device_per_layer(
+        self,
+        device_pool: MHATokenToKVPool,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        layer_id: int,
+        io_backend: str,
+        *,
+        is_draft: bool = False,
+    ) -> None:
         if io_backend != "torch":
-            return super().load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
-                                                    is_draft=is_draft)
+            return super().load_to_device_per_layer(
+                device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft
+            )
         dst = device_indices.to(self.device_k_buffers[layer_id].device)
         for host, device in ((self.k_buffer, self.device_k_buffers), (self.v_buffer, self.device_v_buffers)):
             device[layer_id][dst] = host[layer_id][host_indices].to(device[layer_id].device, non_blocking=True)
 
-    def backup_from_device_all_layer(self, device_pool: MHATokenToKVPool, host_indices: torch.Tensor,
-                                     device_indices: torch.Tensor, io_backend: str) -> None:
+    def backup_from_device_all_layer(
+        self, device_pool: MHATokenToKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
+    ) -> None:
         if io_backend != "torch":
             return super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
         src = device_indices.to(self.device_k_buffers[0].device)
@@ -76,13 +85,20 @@ class HostFullKV:
     which the caller owns: this class never allocates or frees device slots).
     """
 
-    def __init__(self, device_pool: MHATokenToKVPool, capacity_tokens: int, io_backend: str | None = None,
-                 pin_memory: bool | None = None):
+    def __init__(
+        self,
+        device_pool: MHATokenToKVPool,
+        capacity_tokens: int,
+        io_backend: str | None = None,
+        pin_memory: bool | None = None,
+    ):
         if not isinstance(device_pool, MHATokenToKVPool):
             raise TypeError(f"the host tier serves MHA KV pools, got {type(device_pool).__name__}")
         if getattr(device_pool, "layer_transfer_counter", None) is not None:
-            raise ValueError("the device pool already waits on another layer counter (HiCache is on); "
-                             "the VeriCache host tier needs its own")
+            raise ValueError(
+                "the device pool already waits on another layer counter (HiCache is on); "
+                "the VeriCache host tier needs its own"
+            )
         if capacity_tokens <= 0:
             raise ValueError(f"host capacity must be > 0 tokens, got {capacity_tokens}")
         self.io_backend = io_backend or default_io_backend(device_pool.device)
@@ -91,9 +107,17 @@ class HostFullKV:
         on_cuda = torch.device(device_pool.device).type == "cuda"
         self.device_pool = device_pool
         self.host_pool = _HostPool(
-            device_pool.get_device_pool_infos()[0].buffer_info, 1.0, 0, 1, "layer_first",
-            pin_memory=on_cuda if pin_memory is None else pin_memory, device_capacity_tokens=device_pool.size,
-            start_layer=device_pool.start_layer, end_layer=device_pool.end_layer, host_token_capacity=capacity_tokens)
+            device_pool.get_device_pool_infos()[0].buffer_info,
+            1.0,
+            0,
+            1,
+            "layer_first",
+            pin_memory=on_cuda if pin_memory is None else pin_memory,
+            device_capacity_tokens=device_pool.size,
+            start_layer=device_pool.start_layer,
+            end_layer=device_pool.end_layer,
+            host_token_capacity=capacity_tokens,
+        )
         self.engine = L2TransferEngine(self.io_backend)
         self.counter = LayerDoneCounter(device_pool.layer_num)
         device_pool.register_layer_transfer_counter(self.counter)
@@ -139,11 +163,14 @@ class HostFullKV:
             raise ValueError(f"request {rid}: nothing to offload")
         host = self.host_pool.alloc(n)
         if host is None:
-            raise HostTierFull(f"request {rid}: {n} tokens to offload, the host pool has "
-                               f"{self.available_tokens()} free of {self.host_pool.size}")
+            raise HostTierFull(
+                f"request {rid}: {n} tokens to offload, the host pool has "
+                f"{self.available_tokens()} free of {self.host_pool.size}"
+            )
         try:
-            done = self.engine.submit_device_to_host([L2Transfer(self.host_pool, self.device_pool,
-                                                                 *self._indices(host, device_slots))])
+            done = self.engine.submit_device_to_host(
+                [L2Transfer(self.host_pool, self.device_pool, *self._indices(host, device_slots))]
+            )
         except Exception:
             self.host_pool.free(host)
             raise
@@ -179,8 +206,10 @@ class HostFullKV:
         host = torch.cat(hosts)
         done = self.engine.submit_host_to_device(
             [L2Transfer(self.host_pool, self.device_pool, *self._indices(host, torch.cat(devices)))],
-            transfer_layer_id_max=self.device_pool.layer_num, start_event=event.start_event,
-            on_layer_done=event.complete)
+            transfer_layer_id_max=self.device_pool.layer_num,
+            start_event=event.start_event,
+            on_layer_done=event.complete,
+        )
         self._loads[producer] = (done, int(host.numel()) * self.bytes_per_token)
         return producer
 

@@ -56,11 +56,16 @@ class RequestWrites:
             handle.write(start, full.layers)
         except Exception as e:  # a store outage must not fail the step
             if refused(e):
-                logger.error("VeriCache: the full-KV store refused this server's credentials (%s); request %s's KV "
-                             "stays on the device only", e, rid)
+                logger.error(
+                    "VeriCache: the full-KV store refused this server's credentials (%s); request %s's KV "
+                    "stays on the device only",
+                    e,
+                    rid,
+                )
             else:
-                logger.warning("VeriCache: full-KV store write for request %s failed (%s); its KV stays on the "
-                               "device only", rid, e)
+                logger.warning(
+                    "VeriCache: full-KV store write for request %s failed (%s); its KV stays on the device only", rid, e
+                )
             if self.metrics is not None:
                 self.metrics.store_error("refused" if refused(e) else "outage")
             self.release(rid)

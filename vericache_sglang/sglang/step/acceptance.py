@@ -34,13 +34,18 @@ def pack(verdicts: list[Verdict], width: int, committed_seq_lens: torch.Tensor) 
         output_ids[i, : len(v.tokens)] = torch.tensor(v.tokens, dtype=torch.int64)
     accept_lens = torch.tensor([len(v.tokens) for v in verdicts], dtype=torch.int32)
     next_seeds = torch.tensor([v.tokens[-1] for v in verdicts], dtype=torch.int64)
-    return PackedVerdicts(output_ids.to(device), accept_lens.to(device),
-                          committed_seq_lens + accept_lens.to(device=device, dtype=committed_seq_lens.dtype),
-                          next_seeds.to(device), verdicts)
+    return PackedVerdicts(
+        output_ids.to(device),
+        accept_lens.to(device),
+        committed_seq_lens + accept_lens.to(device=device, dtype=committed_seq_lens.dtype),
+        next_seeds.to(device),
+        verdicts,
+    )
 
 
-def draws(logits: torch.Tensor, samplers: list[Sampler], positions: list[int],
-          rejection: bool) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+def draws(
+    logits: torch.Tensor, samplers: list[Sampler], positions: list[int], rejection: bool
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """One draft per row of the compressed-KV ``logits`` ``[n, vocab]``, row ``i``'s at
     ``positions[i]``: the argmax (greedy), the core's position-keyed draw on the token stream (so it
     equals the verifier's draw wherever the distributions agree) or, with ``rejection``, on the draft
@@ -59,8 +64,14 @@ def draws(logits: torch.Tensor, samplers: list[Sampler], positions: list[int],
     return tokens, probs
 
 
-def verdict(draft: list[int], draft_probs: list[torch.Tensor | None], target: torch.Tensor, seed_position: int,
-            sampler: Sampler, rejection: bool) -> Verdict:
+def verdict(
+    draft: list[int],
+    draft_probs: list[torch.Tensor | None],
+    target: torch.Tensor,
+    seed_position: int,
+    sampler: Sampler,
+    rejection: bool,
+) -> Verdict:
     """The core's decision for one request: ``draft`` its ``k`` drafts (``draft_probs`` their
     distributions, rejection sampling only), ``target`` ``[k + 1, vocab]`` the full-KV logits after
     the seed (at ``seed_position``) and after each draft."""

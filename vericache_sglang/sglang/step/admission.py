@@ -36,9 +36,16 @@ class PromptAdmission:
     releases (a retracted or aborted request's draft row goes with its KV row); ``count(name)``
     counts prefix-copy hits and copies made."""
 
-    def __init__(self, runner: ModelRunner, layout: KVLayout, compressor: Compressor,
-                 draft_pool: CompressedDraftPool, capture: QueryCapture, on_release: Callable[[str], None],
-                 count: Callable[[str], None]):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        layout: KVLayout,
+        compressor: Compressor,
+        draft_pool: CompressedDraftPool,
+        capture: QueryCapture,
+        on_release: Callable[[str], None],
+        count: Callable[[str], None],
+    ):
         self.runner = runner
         self.layout = layout
         self.compressor = compressor
@@ -89,8 +96,9 @@ class PromptAdmission:
         length = cached // COPY_GRAIN * COPY_GRAIN
         if length < MIN_SHARED_PREFIX:
             return None
-        copy = CompressedPrefix(length, self.compressor.compress(
-            full.slice(0, length), self.capture.observation(req.rid, follows=True)))
+        copy = CompressedPrefix(
+            length, self.compressor.compress(full.slice(0, length), self.capture.observation(req.rid, follows=True))
+        )
         tree.attach_copy(tree.node_at(req, length), copy)
         self.count("prefix_copies_made")
         return copy

@@ -61,6 +61,7 @@ class QueryCapture:
             def fn(module: RadixAttention, args: tuple, kwargs: dict) -> None:
                 q = args[0] if args else kwargs["q"]
                 self.queries[index] = q.detach()
+
             return fn
 
         handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(self.layers)]
@@ -86,8 +87,9 @@ class QueryCapture:
     def observation(self, rid: str, follows: bool = False) -> Observation:
         """The request's last queries as the core's observation (``follows``: see ``Observation``)."""
         tail = self.tails.pop(rid)
-        return Observation([q.view(q.shape[0], -1, self.head_dim).transpose(0, 1).float() for q in tail],
-                           follows=follows)
+        return Observation(
+            [q.view(q.shape[0], -1, self.head_dim).transpose(0, 1).float() for q in tail], follows=follows
+        )
 
     def forget(self, rid: str) -> None:
         self.tails.pop(rid, None)

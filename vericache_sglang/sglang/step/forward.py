@@ -60,23 +60,40 @@ class ForwardBuilder:
         self.convention = verify_convention(backend)
 
     def _init_new(self, batch: ScheduleBatch) -> ForwardBatch:
-        return ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=CaptureHiddenMode.NULL,
-                                     return_hidden_states_before_norm=False)
+        return ForwardBatch.init_new(
+            batch, self.model_runner, capture_hidden_mode=CaptureHiddenMode.NULL, return_hidden_states_before_norm=False
+        )
 
     def prefill(self, batch: ScheduleBatch) -> ForwardBatch:
         """The scheduler's EXTEND batch as SGLang's own worker would build it."""
         return ForwardBatch.init_new(batch, self.model_runner, return_hidden_states_before_norm=False)
 
-    def draft(self, batch: ScheduleBatch, tokens: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-              out_cache_loc: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:
+    def draft(
+        self,
+        batch: ScheduleBatch,
+        tokens: torch.Tensor,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> ForwardBatch:
         """One draft token per request: ``rows`` in the private pool, ``seq_lens`` kept + drafts so
         far + this one, written at ``out_cache_loc``, at true ``positions``."""
         seq_lens = seq_lens.to(device=self.device, dtype=torch.int32)
         seq_lens_cpu = seq_lens.cpu()
-        with substituted(batch, forward_mode=ForwardMode.DECODE, input_ids=tokens, req_pool_indices=rows,
-                         seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, seq_lens_sum=int(seq_lens_cpu.sum()),
-                         orig_seq_lens=seq_lens, out_cache_loc=out_cache_loc, spec_info=None,
-                         return_logprob=False):
+        with substituted(
+            batch,
+            forward_mode=ForwardMode.DECODE,
+            input_ids=tokens,
+            req_pool_indices=rows,
+            seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens_cpu,
+            seq_lens_sum=int(seq_lens_cpu.sum()),
+            orig_seq_lens=seq_lens,
+            out_cache_loc=out_cache_loc,
+            spec_info=None,
+            return_logprob=False,
+        ):
             fb = self._init_new(batch)
         fb.positions = positions.to(device=self.device, dtype=fb.positions.dtype)
         return fb
@@ -86,13 +103,27 @@ class ForwardBuilder:
         length): what SGLang's sampler reads to choose as that step would. Never run forward."""
         lens = (batch.seq_lens + 1).to(torch.int32)
         lens_cpu = lens.cpu()
-        with substituted(batch, forward_mode=ForwardMode.DECODE, input_ids=seeds, seq_lens=lens, seq_lens_cpu=lens_cpu,
-                         seq_lens_sum=int(lens_cpu.sum()), orig_seq_lens=lens, out_cache_loc=out_cache_loc,
-                         spec_info=None):
+        with substituted(
+            batch,
+            forward_mode=ForwardMode.DECODE,
+            input_ids=seeds,
+            seq_lens=lens,
+            seq_lens_cpu=lens_cpu,
+            seq_lens_sum=int(lens_cpu.sum()),
+            orig_seq_lens=lens,
+            out_cache_loc=out_cache_loc,
+            spec_info=None,
+        ):
             return self._init_new(batch)
 
-    def verify(self, batch: ScheduleBatch, rows: torch.Tensor, chain: torch.Tensor, committed: torch.Tensor,
-               slots: torch.Tensor) -> ForwardBatch:
+    def verify(
+        self,
+        batch: ScheduleBatch,
+        rows: torch.Tensor,
+        chain: torch.Tensor,
+        committed: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> ForwardBatch:
         """The chains ``[n, width]`` of the requests at batch indices ``rows``, over the target pool:
         ``committed`` their committed lengths, ``slots`` ``[n, width]`` where the chain's K/V goes."""
         committed = committed.to(device=self.device, dtype=torch.int64)
@@ -100,8 +131,15 @@ class ForwardBuilder:
         pool_rows = batch.req_pool_indices[rows.to(batch.req_pool_indices.device)]
         return self.chain(batch, pool_rows, chain, committed, slots, positions)
 
-    def chain(self, batch: ScheduleBatch, pool_rows: torch.Tensor, chain: torch.Tensor, prefix_lens: torch.Tensor,
-              slots: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:
+    def chain(
+        self,
+        batch: ScheduleBatch,
+        pool_rows: torch.Tensor,
+        chain: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> ForwardBatch:
         """A TARGET_VERIFY pass of chains ``[n, width]``, each over its pool row ``pool_rows[r]``'s
         first ``prefix_lens[r]`` tokens and the chain before it, written at ``slots`` ``[n, width]``,
         at true ``positions`` ``[n, width]``: the verification (target pool) and a lookup chain's
@@ -111,19 +149,32 @@ class ForwardBuilder:
         n, width = chain.shape
         prefix_lens = prefix_lens.to(device=self.device, dtype=torch.int64)
         spec = NgramVerifyInput(
-            draft_token=chain.reshape(-1), custom_mask=self._chain_mask(prefix_lens, width),
+            draft_token=chain.reshape(-1),
+            custom_mask=self._chain_mask(prefix_lens, width),
             positions=positions.to(self.device).reshape(-1),
             retrieve_index=torch.arange(n * width, device=self.device).view(n, width),
-            retrieve_next_token=torch.cat([torch.arange(1, width, device=self.device),
-                                           torch.tensor([-1], device=self.device)]).repeat(n, 1),
-            retrieve_next_sibling=torch.full((n, width), -1, device=self.device), draft_token_num=width,
-            new_seq_lens=prefix_lens)
+            retrieve_next_token=torch.cat(
+                [torch.arange(1, width, device=self.device), torch.tensor([-1], device=self.device)]
+            ).repeat(n, 1),
+            retrieve_next_sibling=torch.full((n, width), -1, device=self.device),
+            draft_token_num=width,
+            new_seq_lens=prefix_lens,
+        )
         lens = prefix_lens.to(torch.int32)
         lens_cpu = lens.cpu()
-        with substituted(batch, forward_mode=ForwardMode.TARGET_VERIFY, input_ids=chain.reshape(-1),
-                         req_pool_indices=pool_rows, seq_lens=lens, seq_lens_cpu=lens_cpu,
-                         seq_lens_sum=int(lens_cpu.sum()), orig_seq_lens=lens, out_cache_loc=slots.reshape(-1),
-                         spec_info=spec, return_logprob=False):
+        with substituted(
+            batch,
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            input_ids=chain.reshape(-1),
+            req_pool_indices=pool_rows,
+            seq_lens=lens,
+            seq_lens_cpu=lens_cpu,
+            seq_lens_sum=int(lens_cpu.sum()),
+            orig_seq_lens=lens,
+            out_cache_loc=slots.reshape(-1),
+            spec_info=spec,
+            return_logprob=False,
+        ):
             return self._init_new(batch)
 
     def _chain_mask(self, committed: torch.Tensor, width: int) -> torch.Tensor | None:
@@ -132,5 +183,9 @@ class ForwardBuilder:
         if self.convention != "masked":
             return None
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        return torch.cat([torch.cat([torch.ones(width, int(c), dtype=torch.bool, device=self.device), causal],
-                                    dim=1).reshape(-1) for c in committed.tolist()])
+        return torch.cat(
+            [
+                torch.cat([torch.ones(width, int(c), dtype=torch.bool, device=self.device), causal], dim=1).reshape(-1)
+                for c in committed.tolist()
+            ]
+        )

@@ -33,10 +33,18 @@ if TYPE_CHECKING:
 
 
 class LookupWindows:
-    def __init__(self, lookup: LookupParams, horizon: int, draft_pool: CompressedDraftPool, forwards: ForwardBuilder,
-                 vocab_size: int, rejection: bool, device: torch.device | str,
-                 decode_pass: Callable[[ForwardBatch], torch.Tensor],
-                 chain_pass: Callable[[ForwardBatch], torch.Tensor]):
+    def __init__(
+        self,
+        lookup: LookupParams,
+        horizon: int,
+        draft_pool: CompressedDraftPool,
+        forwards: ForwardBuilder,
+        vocab_size: int,
+        rejection: bool,
+        device: torch.device | str,
+        decode_pass: Callable[[ForwardBatch], torch.Tensor],
+        chain_pass: Callable[[ForwardBatch], torch.Tensor],
+    ):
         """``decode_pass``/``chain_pass``: run a DECODE / TARGET_VERIFY ``ForwardBatch`` over the
         private pool and return its logits (one row per token)."""
         self.lookup, self.horizon = lookup, horizon
@@ -61,14 +69,20 @@ class LookupWindows:
     def forget(self, rid: str) -> None:
         self.indexes.pop(rid, None)
 
-    def draft(self, batch: ScheduleBatch, rows: list[int], seeds: torch.Tensor, committed: torch.Tensor,
-              samplers: list[Sampler], grammars: dict[int, BaseGrammarObject]) -> tuple[list[DraftWindow], int]:
+    def draft(
+        self,
+        batch: ScheduleBatch,
+        rows: list[int],
+        seeds: torch.Tensor,
+        committed: torch.Tensor,
+        samplers: list[Sampler],
+        grammars: dict[int, BaseGrammarObject],
+    ) -> tuple[list[DraftWindow], int]:
         """Draft the windows of the requests at batch indices ``rows`` (``grammars``: batch index ->
         SGLang's grammar object, walked along the drafts and left walked: the caller restores it);
         returns the windows and the passes run."""
         reqs = [batch.reqs[i] for i in rows]
-        private = torch.tensor([self.draft_pool.row_index(r.rid) for r in reqs], dtype=torch.int64,
-                               device=self.device)
+        private = torch.tensor([self.draft_pool.row_index(r.rid) for r in reqs], dtype=torch.int64, device=self.device)
         kept = [self.draft_pool.kept_len(r.rid) for r in reqs]
         scratch = [self.draft_pool.scratch_slots(r.rid).to(self.device) for r in reqs]
         fed = [0] * len(rows)  # window tokens with K/V in each request's scratch
@@ -76,10 +90,23 @@ class LookupWindows:
         def forget(r: int, n: int) -> None:
             fed[r] -= n
 
-        windows = [DraftWindow(self.horizon, int(committed[i]) + 1, [int(seeds[i])], samplers[i], self.rejection,
-                               stop_ids(req), self.vocab_size, partial(forget, r), self.lookup,
-                               self.indexes[req.rid], grammar=self._walk(grammars.get(i)), device=self.device)
-                   for r, (i, req) in enumerate(zip(rows, reqs, strict=True))]
+        windows = [
+            DraftWindow(
+                self.horizon,
+                int(committed[i]) + 1,
+                [int(seeds[i])],
+                samplers[i],
+                self.rejection,
+                stop_ids(req),
+                self.vocab_size,
+                partial(forget, r),
+                self.lookup,
+                self.indexes[req.rid],
+                grammar=self._walk(grammars.get(i)),
+                device=self.device,
+            )
+            for r, (i, req) in enumerate(zip(rows, reqs, strict=True))
+        ]
         passes = 0
         while active := [r for r, w in enumerate(windows) if w.drafting]:
             width = max(len(windows[r].pending) for r in active)
@@ -90,8 +117,10 @@ class LookupWindows:
                 tokens[a, : len(pending)] = torch.tensor(pending, dtype=torch.int64)
             prefix = torch.tensor([kept[r] + fed[r] for r in active], dtype=torch.int64, device=self.device)
             out = torch.stack([scratch[r][fed[r] : fed[r] + width] for r in active])
-            positions = torch.tensor([windows[r].position for r in active], dtype=torch.int64,
-                                     device=self.device)[:, None] + torch.arange(width, device=self.device)[None]
+            positions = (
+                torch.tensor([windows[r].position for r in active], dtype=torch.int64, device=self.device)[:, None]
+                + torch.arange(width, device=self.device)[None]
+            )
             if width == 1:
                 fb = self.forwards.draft(batch, tokens[:, 0], private[idx], prefix + 1, out[:, 0], positions[:, 0])
                 logits = self.decode_pass(fb)

@@ -48,18 +48,28 @@ def core_sampling(params: SGLangSamplingParams, rid: str) -> SamplingParams:
         return SamplingParams()
     top_k = int(params.top_k)
     seed = params.sampling_seed if params.sampling_seed is not None else zlib.crc32(rid.encode())
-    return SamplingParams(temperature=float(params.temperature), top_k=0 if top_k <= 0 or top_k >= TOP_K_ALL else top_k,
-                          top_p=float(params.top_p), seed=int(seed))
+    return SamplingParams(
+        temperature=float(params.temperature),
+        top_k=0 if top_k <= 0 or top_k >= TOP_K_ALL else top_k,
+        top_p=float(params.top_p),
+        seed=int(seed),
+    )
 
 
 def own_settings(req: Req) -> tuple[str, ...]:
     """The request settings the core's verifier does not apply, by name (empty when none)."""
     params = req.sampling_params
-    own = [name for name, value, neutral in (
-        ("frequency_penalty", params.frequency_penalty, 0.0), ("presence_penalty", params.presence_penalty, 0.0),
-        ("repetition_penalty", params.repetition_penalty, 1.0), ("min_p", params.min_p, 0.0),
-        ("min_new_tokens", params.min_new_tokens, 0),
-    ) if float(value) != neutral]
+    own = [
+        name
+        for name, value, neutral in (
+            ("frequency_penalty", params.frequency_penalty, 0.0),
+            ("presence_penalty", params.presence_penalty, 0.0),
+            ("repetition_penalty", params.repetition_penalty, 1.0),
+            ("min_p", params.min_p, 0.0),
+            ("min_new_tokens", params.min_new_tokens, 0),
+        )
+        if float(value) != neutral
+    ]
     if params.logit_bias:
         own.append("logit_bias")
     if getattr(params, "watermark", None) is not None:

@@ -22,8 +22,14 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
 
-def step_output(flat_logits: torch.Tensor, logits: torch.Tensor, reqs: list[Req], plans: list[Plan],
-                verdicts: list[Verdict], own: LogitsProcessorOutput | None) -> LogitsProcessorOutput:
+def step_output(
+    flat_logits: torch.Tensor,
+    logits: torch.Tensor,
+    reqs: list[Req],
+    plans: list[Plan],
+    verdicts: list[Verdict],
+    own: LogitsProcessorOutput | None,
+) -> LogitsProcessorOutput:
     """``flat_logits`` ``[bs * width, vocab]`` as verified; ``logits`` ``[bs, width, vocab]`` as the
     decisions read them (grammar masks applied)."""
     out = LogitsProcessorOutput(next_token_logits=flat_logits)

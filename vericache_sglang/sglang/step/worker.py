@@ -124,8 +124,12 @@ class VeriCacheWorker(BaseSpecWorker):
         self._host_bytes_seen = (0, 0)  # the host tier's byte totals already counted in the metrics
         self.metrics: WorkerMetrics | None = None
         if metrics_enabled(server_args):
-            self.metrics = WorkerMetrics({"model_name": str(server_args.served_model_name or server_args.model_path),
-                                          "tp_rank": str(getattr(target_worker, "tp_rank", 0))})
+            self.metrics = WorkerMetrics(
+                {
+                    "model_name": str(server_args.served_model_name or server_args.model_path),
+                    "tp_rank": str(getattr(target_worker, "tp_rank", 0)),
+                }
+            )
 
     @property
     def draft_worker(self) -> None:
@@ -133,19 +137,32 @@ class VeriCacheWorker(BaseSpecWorker):
 
     # -- set-up, in the order the scheduler calls it ------------------------------------------------
 
-    def alloc_memory_pool(self, memory_pool_config: object = None, req_to_token_pool: ReqToTokenPool | None = None,
-                          token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator | None = None) -> None:
-        super().alloc_memory_pool(memory_pool_config=memory_pool_config, req_to_token_pool=req_to_token_pool,
-                                  token_to_kv_pool_allocator=token_to_kv_pool_allocator)
+    def alloc_memory_pool(
+        self,
+        memory_pool_config: object = None,
+        req_to_token_pool: ReqToTokenPool | None = None,
+        token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator | None = None,
+    ) -> None:
+        super().alloc_memory_pool(
+            memory_pool_config=memory_pool_config,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+        )
         runner = self.model_runner
         target_pool = runner.token_to_kv_pool
         self.layout = pool_layout(target_pool, str(runner.model_config.model_path))
         # The compressed pool gets the share of the target pool the compressor's ratio implies.
         capacity = max(4096, int(target_pool.size * 0.5))
         self.draft_pool = CompressedDraftPool(
-            layout=self.layout, capacity_tokens=capacity, max_requests=req_to_token_pool.size,
-            max_context_len=req_to_token_pool.max_context_len, horizon=self.horizon, compressor=self.compressor,
-            device=str(self.device), scratch=2 * self.horizon + 1 if self.compressor.lookup else None)
+            layout=self.layout,
+            capacity_tokens=capacity,
+            max_requests=req_to_token_pool.size,
+            max_context_len=req_to_token_pool.max_context_len,
+            horizon=self.horizon,
+            compressor=self.compressor,
+            device=str(self.device),
+            scratch=2 * self.horizon + 1 if self.compressor.lookup else None,
+        )
         setattr(runner, RUNNER_ATTR, self.draft_pool.pools)
         if self.cfg.full_kv == "store":
             from remote_store import connect_store
@@ -153,13 +170,18 @@ class VeriCacheWorker(BaseSpecWorker):
             from vericache_sglang.sglang.full_kv.store_writes import RequestWrites
 
             # a store that cannot be used as configured fails the launch here, naming it and why
-            self.store = RequestWrites(FullKVStore(connect_store(self.cfg.store), self.layout, namespace="sglang"),
-                                       self.metrics)
+            self.store = RequestWrites(
+                FullKVStore(connect_store(self.cfg.store), self.layout, namespace="sglang"), self.metrics
+            )
         if self.cfg.full_kv == "host":
             from vericache_sglang.sglang.full_kv.host_offload import HostOffload
 
-            self.host = HostOffload(self.cfg, runner, token_to_kv_pool_allocator or runner.token_to_kv_pool_allocator,
-                                    on_release=self._forget)
+            self.host = HostOffload(
+                self.cfg,
+                runner,
+                token_to_kv_pool_allocator or runner.token_to_kv_pool_allocator,
+                on_release=self._forget,
+            )
 
     def init_attention_backends(self) -> None:
         runner = self.model_runner
@@ -179,21 +201,39 @@ class VeriCacheWorker(BaseSpecWorker):
                 with pools_bound(runner, self.draft_pool.pools):
                     self.draft_chain_backend = ATTENTION_BACKENDS[CHAIN_BACKEND](runner)
             self.lookup = LookupWindows(
-                self.compressor.lookup, self.horizon, self.draft_pool, self.forwards,
-                runner.model_config.vocab_size, self.cfg.verification == "rejection", self.device,
-                partial(self._timed, self._draft_pass), partial(self._timed, self._chain_pass))
+                self.compressor.lookup,
+                self.horizon,
+                self.draft_pool,
+                self.forwards,
+                runner.model_config.vocab_size,
+                self.cfg.verification == "rejection",
+                self.device,
+                partial(self._timed, self._draft_pass),
+                partial(self._timed, self._chain_pass),
+            )
         self._capture = QueryCapture(self.model_runner.model, self.model_runner.model_config.head_dim)
-        self._admission = PromptAdmission(runner, self.layout, self.compressor, self.draft_pool, self._capture,
-                                          on_release=self._forget, count=self._count)
+        self._admission = PromptAdmission(
+            runner,
+            self.layout,
+            self.compressor,
+            self.draft_pool,
+            self._capture,
+            on_release=self._forget,
+            count=self._count,
+        )
 
     def init_cuda_graphs(self) -> None:
         return None  # --enable-vericache disables decode CUDA graphs; nothing of ours is captured
 
     # -- one scheduler step ---------------------------------------------------------------------------
 
-    def forward_batch_generation(self, batch: ScheduleBatch, on_publish: Callable | None = None,
-                                 grammar_barrier: object = None,
-                                 pp_proxy_tensors: object = None) -> GenerationBatchResult:
+    def forward_batch_generation(
+        self,
+        batch: ScheduleBatch,
+        on_publish: Callable | None = None,
+        grammar_barrier: object = None,
+        pp_proxy_tensors: object = None,
+    ) -> GenerationBatchResult:
         if pp_proxy_tensors is not None:
             raise RuntimeError("VERICACHE does not run with pipeline parallelism")
         if batch.forward_mode == ForwardMode.EXTEND:
@@ -211,8 +251,9 @@ class VeriCacheWorker(BaseSpecWorker):
         logits = result.logits_output.next_token_logits.clone()
         next_ids = result.next_token_ids = self.model_runner.sample(result.logits_output, fb)
         offset = 0
-        for i, (req, seq_len, ext) in enumerate(zip(batch.reqs, batch.seq_lens.tolist(), batch.extend_lens,
-                                                    strict=True)):
+        for i, (req, seq_len, ext) in enumerate(
+            zip(batch.reqs, batch.seq_lens.tolist(), batch.extend_lens, strict=True)
+        ):
             offset += ext
             if self.host is not None:
                 # before SGLang checkpoints the first chunk into the tree: the rows stay the request's
@@ -225,8 +266,11 @@ class VeriCacheWorker(BaseSpecWorker):
             plan = self._plans[req.rid] = plan_request(req)
             if plan.own:
                 self._capture.forget(req.rid)
-                logger.info("VeriCache: request %s is decoded one verified token per step (SGLang's sampler "
-                            "applies %s)", req.rid, ", ".join(plan.own))
+                logger.info(
+                    "VeriCache: request %s is decoded one verified token per step (SGLang's sampler applies %s)",
+                    req.rid,
+                    ", ".join(plan.own),
+                )
                 continue
             if not plan.sampler.params.greedy:
                 # the first token is the core's draw at its position, as in full-KV sampling
@@ -263,8 +307,15 @@ class VeriCacheWorker(BaseSpecWorker):
         finally:
             self.model_runner.attn_backend = saved
 
-    def _draft(self, batch: ScheduleBatch, rows: list[int], seeds: torch.Tensor, committed: torch.Tensor,
-               samplers: list[Sampler], masks: ChainMasks) -> tuple[torch.Tensor, list[list[torch.Tensor | None]]]:
+    def _draft(
+        self,
+        batch: ScheduleBatch,
+        rows: list[int],
+        seeds: torch.Tensor,
+        committed: torch.Tensor,
+        samplers: list[Sampler],
+        masks: ChainMasks,
+    ) -> tuple[torch.Tensor, list[list[torch.Tensor | None]]]:
         """``horizon`` draft passes for the requests at batch indices ``rows``; returns their drafts
         ``[len(rows), x]`` and, per pass, each one's draft distribution (rejection sampling only)."""
         rids = [batch.reqs[i].rid for i in rows]
@@ -310,8 +361,11 @@ class VeriCacheWorker(BaseSpecWorker):
         seeds = batch.spec_info.seeds.to(self.device)
         committed = batch.seq_lens.to(torch.int64)
         plans = [self._plans[req.rid] for req in reqs]
-        drafting = [i for i, (req, plan) in enumerate(zip(reqs, plans, strict=True))
-                    if plan.drafts and self.draft_pool.has(req.rid)]
+        drafting = [
+            i
+            for i, (req, plan) in enumerate(zip(reqs, plans, strict=True))
+            if plan.drafts and self.draft_pool.has(req.rid)
+        ]
         x = self.horizon if drafting else 0
         width = x + 1
         samplers = [plan.sampler for plan in plans]
@@ -329,8 +383,9 @@ class VeriCacheWorker(BaseSpecWorker):
             for r, i in enumerate(stepped):
                 counts[i], draft_q[i] = x, [probs[j][r] for j in range(x)]
         if windowed:
-            windows, passes = self.lookup.draft(batch, windowed, seeds, committed, samplers,
-                                                {i: grammars[i] for i in windowed if i in grammars})
+            windows, passes = self.lookup.draft(
+                batch, windowed, seeds, committed, samplers, {i: grammars[i] for i in windowed if i in grammars}
+            )
             for i, window in zip(windowed, windows, strict=True):
                 counts[i], draft_q[i] = len(window.drafts), window.draft_probs
                 drafts[i, : counts[i]] = torch.tensor(window.drafts, dtype=torch.int64, device=self.device)
@@ -355,8 +410,14 @@ class VeriCacheWorker(BaseSpecWorker):
 
         def decide(i: int, chain_logits: torch.Tensor) -> Verdict:
             k = counts.get(i, 0)
-            return verdict(drafts[i, :k].tolist(), draft_q.get(i, []), chain_logits[: k + 1], int(committed[i]),
-                           samplers[i], self.cfg.verification == "rejection")
+            return verdict(
+                drafts[i, :k].tolist(),
+                draft_q.get(i, []),
+                chain_logits[: k + 1],
+                int(committed[i]),
+                samplers[i],
+                self.cfg.verification == "rejection",
+            )
 
         refreshing = self.compressor.refreshes and bool(drafting)
         folded: dict[int, Verdict] = {}  # full_kv=host: decided and folded in while the reload was lent
@@ -369,25 +430,41 @@ class VeriCacheWorker(BaseSpecWorker):
                 if i in counts:
                     masks.apply_chain(i, group[r])
                     folded[i] = v = decide(i, group[r])
-                    self._fold(reqs[i], int(committed[i]), slots[i, : v.accepted + 1],
-                               self._capture.rows(r * width, v.accepted + 1))
+                    self._fold(
+                        reqs[i],
+                        int(committed[i]),
+                        slots[i, : v.accepted + 1],
+                        self._capture.rows(r * width, v.accepted + 1),
+                    )
 
         with self._capture.capturing() if refreshing else contextlib.nullcontext():
-            flat = verify(torch.arange(bs)) if self.host is None else \
-                self.host.verify(reqs, verify, width, fold_while_lent if refreshing else None)
+            flat = (
+                verify(torch.arange(bs))
+                if self.host is None
+                else self.host.verify(reqs, verify, width, fold_while_lent if refreshing else None)
+            )
         logits = flat.view(bs, width, -1).float()
         masks.apply_chains(logits, done=folded)
-        own_ids, own = self._own_tokens(batch, flat.view(bs, width, -1)[:, 0], slots) if any(p.own for p in plans) \
+        own_ids, own = (
+            self._own_tokens(batch, flat.view(bs, width, -1)[:, 0], slots)
+            if any(p.own for p in plans)
             else (None, None)
-        verdicts = [Verdict(0, [int(own_ids[i])]) if plan.own else folded[i] if i in folded else decide(i, logits[i])
-                    for i, plan in enumerate(plans)]
+        )
+        verdicts = [
+            Verdict(0, [int(own_ids[i])]) if plan.own else folded[i] if i in folded else decide(i, logits[i])
+            for i, plan in enumerate(plans)
+        ]
         packed = pack(verdicts, width, committed)
         self._commit(batch, packed, chain, committed, slots, width if refreshing else 0, set(folded))
         self._capture.clear()
         if self.metrics is not None:
             accepted = [v.accepted for i, v in enumerate(verdicts) if i in counts]
-            self.metrics.verified(accepted, [counts[i] for i in sorted(counts)], time.perf_counter() - started,
-                                  undrafted=len(verdicts) - len(accepted))
+            self.metrics.verified(
+                accepted,
+                [counts[i] for i in sorted(counts)],
+                time.perf_counter() - started,
+                undrafted=len(verdicts) - len(accepted),
+            )
             self.metrics.compressed_kv.set(self.draft_pool.nbytes())
             self._count_host_bytes()
         batch.forward_mode = ForwardMode.DECODE
@@ -396,12 +473,16 @@ class VeriCacheWorker(BaseSpecWorker):
         return GenerationBatchResult(
             logits_output=step_output(flat, logits, reqs, plans, verdicts, own),
             next_token_ids=packed.output_ids.reshape(-1),
-            accept_lens=packed.accept_lens, new_seq_lens=packed.new_seq_lens,
+            accept_lens=packed.accept_lens,
+            new_seq_lens=packed.new_seq_lens,
             next_draft_input=VeriCacheDraftInput(seeds=packed.next_seeds),
-            speculative_num_draft_tokens=width, can_run_cuda_graph=False)
+            speculative_num_draft_tokens=width,
+            can_run_cuda_graph=False,
+        )
 
-    def _own_tokens(self, batch: ScheduleBatch, seed_logits: torch.Tensor,
-                    slots: torch.Tensor) -> tuple[torch.Tensor, LogitsProcessorOutput]:
+    def _own_tokens(
+        self, batch: ScheduleBatch, seed_logits: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, LogitsProcessorOutput]:
         """SGLang's own choice at every request's seed position: its sampler over the full-KV logits
         there (penalties, logit_bias, min_p, grammar masks, its seeded draws, logprobs), as a stock
         decode step, whose input token is the seed, makes it. Only "own" requests take it."""
@@ -409,8 +490,16 @@ class VeriCacheWorker(BaseSpecWorker):
         out = LogitsProcessorOutput(next_token_logits=seed_logits.clone())
         return self.model_runner.sample(out, fb), out
 
-    def _commit(self, batch: ScheduleBatch, packed: PackedVerdicts, chain: torch.Tensor, committed: torch.Tensor,
-                slots: torch.Tensor, captured_width: int = 0, folded: Container[int] = ()) -> None:
+    def _commit(
+        self,
+        batch: ScheduleBatch,
+        packed: PackedVerdicts,
+        chain: torch.Tensor,
+        committed: torch.Tensor,
+        slots: torch.Tensor,
+        captured_width: int = 0,
+        folded: Container[int] = (),
+    ) -> None:
         """The seed and the accepted drafts now have exact K/V in the target pool: fold it into the
         compressed KV (batch indices in ``folded`` already were) and the store. The correction/bonus
         token is the next seed (no K/V yet).
@@ -473,4 +562,3 @@ class VeriCacheWorker(BaseSpecWorker):
             self._capture.forget(rid)
         if self.store is not None:
             self.store.release(rid)
-

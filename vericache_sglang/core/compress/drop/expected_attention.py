@@ -69,8 +69,7 @@ class ExpectedAttention(KeepingDropper):
         p = self.params
         check_ratio("expected_attention", p.ratio)
         if p.n_future < 1 or p.n_sink < 0:
-            raise ValueError(f"expected_attention: n_future must be >= 1 and n_sink >= 0, got {p.n_future}, "
-                             f"{p.n_sink}")
+            raise ValueError(f"expected_attention: n_future must be >= 1 and n_sink >= 0, got {p.n_future}, {p.n_sink}")
 
     def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> DroppedLayer:
         p = self.params

@@ -29,15 +29,17 @@ from vericache_sglang.core.compress.observation import Observation
 class ScoredLayer(DroppedLayer):
     """Kept tokens with a running score each and a fixed capacity (online-evicting compressors)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor,
-                 capacity: int):
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, capacity: int
+    ):
         super().__init__(keys, values, positions)
         self.scores = scores  # [kv_heads, tokens], float32
         self.capacity = capacity
 
     @classmethod
-    def keep(cls, k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor,
-             capacity: int) -> ScoredLayer:
+    def keep(
+        cls, k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor, capacity: int
+    ) -> ScoredLayer:
         d = DroppedLayer.gather(k, v, keep)
         return cls(d.keys, d.values, d.positions, scores.gather(1, keep), capacity)
 

@@ -102,8 +102,10 @@ class KVzip(KeepingDropper):
             chosen = flat.topk(keep_total).indices // (hk * n)
             per_layer = torch.bincount(chosen, minlength=layers).tolist()
             counts = [min(n, max(1, math.ceil(c / hk))) for c in per_layer]
-        out = [DroppedLayer.gather(k, v, top_per_head(s, c))
-               for (k, v), s, c in zip(full.layers, scores, counts, strict=True)]
+        out = [
+            DroppedLayer.gather(k, v, top_per_head(s, c))
+            for (k, v), s, c in zip(full.layers, scores, counts, strict=True)
+        ]
         return CompressedKV(full.layout, self.base_spec, out)
 
     def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> DroppedLayer:

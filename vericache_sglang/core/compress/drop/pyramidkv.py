@@ -84,8 +84,9 @@ class PyramidKV(SnapKV):
     def compress_layer(self, layer_idx, k, v, obs: Observation | None) -> DroppedLayer:
         raise NotImplementedError("pyramidkv budgets depend on the layer count: use compress()")
 
-    def _keep(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, obs: Observation | None,
-              count: int) -> DroppedLayer:
+    def _keep(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, obs: Observation | None, count: int
+    ) -> DroppedLayer:
         hk, n, _ = k.shape
         window = min(self.params.window, n)
         count = min(n, max(count, window))

@@ -65,8 +65,7 @@ def snapkv_scores(q_obs: torch.Tensor, k: torch.Tensor, kernel: int, pool: str, 
     pad = kernel // 2
     if pool == "max":
         return F.max_pool1d(probs.unsqueeze(1), kernel, stride=1, padding=pad).squeeze(1)
-    return F.avg_pool1d(probs.unsqueeze(1), kernel, stride=1, padding=pad,
-                        count_include_pad=False).squeeze(1)
+    return F.avg_pool1d(probs.unsqueeze(1), kernel, stride=1, padding=pad, count_include_pad=False).squeeze(1)
 
 
 class SnapKV(KeepingDropper):
@@ -106,7 +105,8 @@ def obs_window(obs: Observation | None, layer_idx: int, window: int) -> torch.Te
     return obs.window_queries(layer_idx, window)
 
 
-def observed_scores(obs: Observation | None, layer_idx: int, window: int, k: torch.Tensor, kernel: int,
-                    pool: str) -> torch.Tensor:
+def observed_scores(
+    obs: Observation | None, layer_idx: int, window: int, k: torch.Tensor, kernel: int, pool: str
+) -> torch.Tensor:
     """SnapKV's scores of layer ``layer_idx``'s keys ``k`` by the observation's last ``window`` queries."""
     return snapkv_scores(obs_window(obs, layer_idx, window), k, kernel, pool, causal=not obs.follows)

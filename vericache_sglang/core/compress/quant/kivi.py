@@ -108,8 +108,9 @@ class KIVILayer(CompressedLayer):
     def num_tokens(self) -> int:
         return self.quantized_tokens + self.k_res.shape[1]
 
-    def _grouped(self, blocks: QuantBlocks, per_channel: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor,
-                                                                                torch.Tensor, tuple[int, ...]]]:
+    def _grouped(
+        self, blocks: QuantBlocks, per_channel: bool
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]]:
         """Each block's codes, scale, min and its ``[heads, n, dim]`` shape grouped as quantized:
         keys over tokens (per channel), values over channels (per token)."""
         g = self.group
@@ -119,8 +120,10 @@ class KIVILayer(CompressedLayer):
 
     def _dequantized(self, blocks: QuantBlocks, per_channel: bool) -> list[torch.Tensor]:
         """Each block as ``[heads, n, dim]`` in the model dtype."""
-        return [dequantize_packed(packed, self.bits, scale, mn, grouped, self.dtype).view(*packed.shape[:2], -1)
-                for packed, scale, mn, grouped in self._grouped(blocks, per_channel)]
+        return [
+            dequantize_packed(packed, self.bits, scale, mn, grouped, self.dtype).view(*packed.shape[:2], -1)
+            for packed, scale, mn, grouped in self._grouped(blocks, per_channel)
+        ]
 
     def dequantized_keys(self) -> torch.Tensor:
         return torch.cat([*self._dequantized(self.k_blocks, per_channel=True), self.k_res], dim=1)
@@ -132,8 +135,9 @@ class KIVILayer(CompressedLayer):
         return self.dequantized_keys(), self.dequantized_values()
 
     @in_inference_mode
-    def read_with_drafts(self, offset: int, k: torch.Tensor, v: torch.Tensor,
-                         query: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_with_drafts(
+        self, offset: int, k: torch.Tensor, v: torch.Tensor, query: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantized blocks, the residual and the window's rows, assembled in a workspace
         (valid until the next layer's read: the runner attends to it at once). No fused kernel
         attends to the codes on a CPU, so they are dequantized each step, but written once,
@@ -142,8 +146,10 @@ class KIVILayer(CompressedLayer):
         if not self.quantized_tokens:
             return k_tail, v_tail
         if self.dtype != torch.float32:  # the table lookup is float32; other dtypes convert after
-            return (torch.cat([*self._dequantized(self.k_blocks, per_channel=True), k_tail], dim=1),
-                    torch.cat([*self._dequantized(self.v_blocks, per_channel=False), v_tail], dim=1))
+            return (
+                torch.cat([*self._dequantized(self.k_blocks, per_channel=True), k_tail], dim=1),
+                torch.cat([*self._dequantized(self.v_blocks, per_channel=False), v_tail], dim=1),
+            )
         h, d, n = k_tail.shape[0], k_tail.shape[2], self.quantized_tokens + k_tail.shape[1]
         keys = workspace("kivi_keys", (h, n, d), k_tail.dtype, k_tail.device)
         values = workspace("kivi_values", (h, n, d), v_tail.dtype, v_tail.device)
@@ -163,8 +169,9 @@ class KIVILayer(CompressedLayer):
     def exact_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The residual is exact; quantized tokens are not.
         h, r = self.k_res.shape[0], self.k_res.shape[1]
-        pos = torch.arange(self.quantized_tokens, self.quantized_tokens + r, dtype=torch.int32,
-                           device=self.k_res.device)
+        pos = torch.arange(
+            self.quantized_tokens, self.quantized_tokens + r, dtype=torch.int32, device=self.k_res.device
+        )
         return pos.expand(h, -1), self.k_res, self.v_res
 
 
@@ -178,9 +185,7 @@ class KIVI(QuantizingCompressor):
         if p.bits not in (2, 4):
             raise ValueError(f"kivi: bits must be 2 or 4, got {p.bits}")
         if p.group < 1 or p.residual < p.group or p.residual % p.group:
-            raise ValueError(
-                f"kivi: residual ({p.residual}) must be a positive multiple of group ({p.group})"
-            )
+            raise ValueError(f"kivi: residual ({p.residual}) must be a positive multiple of group ({p.group})")
 
     def quantize_layer(self, layer_idx, k, v, positions, obs) -> KIVILayer:
         p = self.params

@@ -69,8 +69,9 @@ class DenseSparse:
 
 
 class KVQuantLayer(CompressedLayer):
-    def __init__(self, bits: int, outliers: float, dtype: torch.dtype, rope: Rope, k_lo: torch.Tensor,
-                 k_hi: torch.Tensor):
+    def __init__(
+        self, bits: int, outliers: float, dtype: torch.dtype, rope: Rope, k_lo: torch.Tensor, k_hi: torch.Tensor
+    ):
         self.bits, self.outliers, self.dtype, self.rope = bits, outliers, dtype, rope
         self.k_lo, self.k_hi = k_lo.to(SCALE_DTYPE), k_hi.to(SCALE_DTYPE)  # [heads, 1, d], calibrated
         self.keys: list[DenseSparse] = []
@@ -82,13 +83,20 @@ class KVQuantLayer(CompressedLayer):
         self.keys.append(DenseSparse.encode(pre, self.k_lo, self.k_hi, self.bits))
         self.values.append(DenseSparse.encode(v, *quantile_range(v.float(), 2, self.outliers), self.bits))
         positions = positions.to(torch.int32)
-        self.positions = positions if not self.positions.numel() else torch.cat(
-            [self.positions, positions.to(self.positions.device)], dim=1)
+        self.positions = (
+            positions
+            if not self.positions.numel()
+            else torch.cat([self.positions, positions.to(self.positions.device)], dim=1)
+        )
 
     @property
     def nbytes(self) -> int:
-        return (sum(b.nbytes for b in (*self.keys, *self.values)) + self.k_lo.nbytes + self.k_hi.nbytes
-                + self.positions.nbytes)
+        return (
+            sum(b.nbytes for b in (*self.keys, *self.values))
+            + self.k_lo.nbytes
+            + self.k_hi.nbytes
+            + self.positions.nbytes
+        )
 
     @property
     def num_tokens(self) -> int:

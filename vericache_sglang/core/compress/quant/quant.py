@@ -41,8 +41,9 @@ def _code_table(bits: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(table, dtype=torch.float32, device=device)
 
 
-def dequantize_packed(packed: torch.Tensor, bits: int, scale: torch.Tensor, mn: torch.Tensor,
-                      grouped: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def dequantize_packed(
+    packed: torch.Tensor, bits: int, scale: torch.Tensor, mn: torch.Tensor, grouped: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
     """``dequantize(unpack(packed).view(grouped), ...)`` bit for bit, in fewer passes over the
     output (codes come out of a table as floats, then scale and min in place): the draft path's
     per-step cost where no fused kernel attends to the codes directly."""
@@ -50,8 +51,9 @@ def dequantize_packed(packed: torch.Tensor, bits: int, scale: torch.Tensor, mn: 
     return codes.mul_(scale.float()).add_(mn.float()).to(dtype)
 
 
-def dequantize_packed_into(out: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor,
-                           mn: torch.Tensor, grouped: tuple[int, ...]) -> None:
+def dequantize_packed_into(
+    out: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor, mn: torch.Tensor, grouped: tuple[int, ...]
+) -> None:
     """``dequantize_packed(...)`` (float32) written into ``out`` (``[heads, n, dim]``, each head's
     rows contiguous: a slice of a larger buffer along ``n``), bit for bit: the same table lookup,
     scale and min, without a tensor of its own to be copied on."""

@@ -128,8 +128,11 @@ class RotatedLayer(TokenQuantLayer):
         r = self.rotation.to(k.device)
         pre = self.rope.unrotate(k.float(), positions)
         super().add(pre @ r, v.float() @ r)
-        self.positions = positions.to(torch.int32) if not self.positions.numel() else torch.cat(
-            [self.positions, positions.to(torch.int32).to(self.positions.device)], dim=1)
+        self.positions = (
+            positions.to(torch.int32)
+            if not self.positions.numel()
+            else torch.cat([self.positions, positions.to(torch.int32).to(self.positions.device)], dim=1)
+        )
 
     @property
     def nbytes(self) -> int:
