@@ -144,8 +144,11 @@ def _session_uses(session: pytest.Session, fixture: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def _vericache_launch(sglang_logs, store_url):
-    """The shared VeriCache server's process, launched without waiting (``vericache_server`` waits)."""
+def vericache_launch(sglang_logs, store_url):
+    """The session's one ``--enable-vericache`` server in the shape users run
+    (``sglang_e2e.vericache_config``: SnapKV with both drafting modifiers, the full KV also in our gRPC
+    store), launched beside stock without waiting for it: its user waits (``wait_healthy``) and
+    stops it when done."""
     pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
     from sglang_e2e import vericache_config
 
@@ -156,15 +159,6 @@ def _vericache_launch(sglang_logs, store_url):
     )
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="session")
-def vericache_server(_vericache_launch):
-    """The session's one ``--enable-vericache`` server in the shape users run (``sglang_e2e.vericache_config``:
-    SnapKV with both drafting modifiers, the full KV also in our gRPC store), shared by every module
-    that holds it to stock; other configurations start their own."""
-    _vericache_launch.wait_healthy()
-    return _vericache_launch
 
 
 @pytest.fixture(scope="session")
@@ -179,8 +173,8 @@ def stock_server(request, sglang_logs):
     pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
     from vericache_sglang.bench.sglang_server import SGLangServer
 
-    if _session_uses(request.session, "vericache_server"):
-        request.getfixturevalue("_vericache_launch")  # loads beside stock: the two starts overlap
+    if _session_uses(request.session, "vericache_launch"):
+        request.getfixturevalue("vericache_launch")  # loads beside stock: the two starts overlap
     server = SGLangServer(sglang_logs, "stock", *SGLANG_TEST_FLAGS, "--disable-overlap-schedule")
     yield server
     server.stop()

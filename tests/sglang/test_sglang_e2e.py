@@ -14,7 +14,7 @@ import json
 
 import jsonschema
 import pytest
-from sglang_e2e import COPY, compare_answers, prompt, same_as_stock
+from sglang_e2e import COPY, PERSON_FORMAT, compare_answers, prompt, same_as_stock
 
 from vericache_sglang.bench.sglang_server import Ask, accepted_length, ask, ask_all, metric_growth
 
@@ -22,8 +22,12 @@ pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
 
 @pytest.fixture(scope="module")
-def vericache(vericache_server):
-    return vericache_server
+def vericache(vericache_launch):
+    vericache_launch.wait_healthy()
+    yield vericache_launch
+    # its memory back before the next modules' servers start: SGLang's host pool (full_kv "host")
+    # asks for 10 GiB of free host memory beside itself
+    vericache_launch.stop()
 
 
 def test_stock_sglang_decodes_as_the_projects_full_kv_decoding(stock_server, real_engine, exactness):
@@ -208,6 +212,25 @@ def test_seeded_sampling_is_the_same_across_runs_and_batches_and_is_full_kv_samp
     )
     assert got == want
     assert ref.text == alone
+
+
+def test_lookup_chains_under_a_json_schema(stock_server, vericache, exactness):
+    """The object to write is in the prompt, with a property the schema forbids: the lookup window
+    walks the grammar (chains stop before a forbidden token) and the answer is stock's."""
+    text = (
+        'Here is a record: {"name": "Ada Lovelace", "age": 36, "city": "London"}\n'
+        "Write it as a JSON object with only her name and age."
+    )
+    before = vericache.metrics()
+    _, got = same_as_stock(
+        stock_server,
+        vericache,
+        [Ask(text, "chat", max_tokens=48, params={"response_format": PERSON_FORMAT})],
+        exactness,
+        "refresh+lookup json schema, lookup under the grammar",
+    )
+    assert json.loads(got[0].text) == {"name": "Ada Lovelace", "age": 36}, got[0].text
+    assert metric_growth(vericache.metrics(), before, "vericache_lookup_drafted_tokens_total") > 0
 
 
 def test_sglangs_metrics_carry_the_vericache_series_from_real_steps(vericache):

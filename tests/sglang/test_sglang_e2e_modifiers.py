@@ -1,48 +1,29 @@
-"""The drafting modifiers in real SGLang servers: ``+refresh`` (rows re-chosen at every
-verification from the verify pass's own queries over the full KV in SGLang's pool) and ``+lookup``
-(prompt-lookup chains checked in one TARGET_VERIFY pass over the private pool), held token for
-token to stock SGLang. The session's shared server runs both (``sglang_e2e.vericache_config``), so
-every test of ``tests/sglang/test_sglang_e2e.py`` runs them too (single, streamed and concurrent
-requests, a copy-heavy prompt, a JSON schema in a batch, tool calls, a shared document's compressed
-copy, seeded sampling), and its ``/metrics`` test checks that refreshes and lookup drafts happened,
-with fewer draft passes than drafts. Here: lookup chains under a JSON schema; seeded sampling and
-rejection sampling on servers of their own are in the heavy set."""
+"""The drafting modifiers in real SGLang servers, the heavy set's part: ``+refresh`` (rows
+re-chosen at every verification from the verify pass's own queries over the full KV in SGLang's
+pool) and ``+lookup`` (prompt-lookup chains checked in one TARGET_VERIFY pass over the private
+pool), with seeded sampling against the project's full-KV sampling, and under rejection sampling
+with the store. The default set runs both modifiers on the session's shared server
+(``sglang_e2e.vericache_config``): every test of ``tests/sglang/test_sglang_e2e.py`` (single,
+streamed and concurrent requests, a copy-heavy prompt, JSON schemas with lookup chains under the
+grammar, tool calls, a shared document's compressed copy, seeded sampling, and ``/metrics``
+showing refreshes and lookup drafts with fewer draft passes than drafts)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from conftest import SGLANG_TEST_FLAGS
-from sglang_e2e import COPY, MODIFIERS, PERSON_FORMAT, prompt, same_as_stock
+from sglang_e2e import COPY, MODIFIERS, prompt, same_as_stock
 
-from vericache_sglang.bench.sglang_server import Ask, SGLangServer, ask_all, metric_growth
+from vericache_sglang.bench.sglang_server import Ask, SGLangServer, ask_all
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
 
 @pytest.fixture(scope="module")
-def refreshing(vericache_server):
-    return vericache_server
-
-
-def test_lookup_chains_under_a_json_schema(stock_server, refreshing, exactness):
-    """The object to write is in the prompt, with a property the schema forbids: the lookup window
-    walks the grammar (chains stop before a forbidden token) and the answer is stock's."""
-    text = (
-        'Here is a record: {"name": "Ada Lovelace", "age": 36, "city": "London"}\n'
-        "Write it as a JSON object with only her name and age."
-    )
-    before = refreshing.metrics()
-    _, got = same_as_stock(
-        stock_server,
-        refreshing,
-        [Ask(text, "chat", max_tokens=48, params={"response_format": PERSON_FORMAT})],
-        exactness,
-        "refresh+lookup json schema, lookup under the grammar",
-    )
-    assert json.loads(got[0].text) == {"name": "Ada Lovelace", "age": 36}, got[0].text
-    assert metric_growth(refreshing.metrics(), before, "vericache_lookup_drafted_tokens_total") > 0
+def refreshing(sglang_logs):
+    server = SGLangServer(sglang_logs, "vericache-modifiers", *SGLANG_TEST_FLAGS, vericache=MODIFIERS)
+    yield server
+    server.stop()
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_packed_quantized_payload_roundtrip(backend_url):
 
 WRITER = """
 import sys, torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{here!r}, {tests!r}]  # this file's folder, and tests/ for its helpers
 from test_store_backends import layout, random_kv
 from remote_store import open_store
 from vericache_sglang.full_kv.store import FullKVStore
@@ -95,7 +96,11 @@ def test_cross_process_read(request, which):
     url = request.getfixturevalue("redis_url" if which == "redis" else "store_url")
     ns = uuid.uuid4().hex
     done = subprocess.run(
-        [sys.executable, "-c", WRITER.format(tests=str(REPO / "tests"), url=url, ns=ns)],
+        [
+            sys.executable,
+            "-c",
+            WRITER.format(here=str(Path(__file__).parent), tests=str(REPO / "tests"), url=url, ns=ns),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
