@@ -62,7 +62,7 @@ def _check(
     return out
 
 
-# greedy: the same schema on the same prompt through the openai client, below
+# greedy in the default set: the same check on the code and tools prompts (test_a_json_schema_on_every_real_prompt)
 @pytest.mark.parametrize(
     "sampling", [pytest.param(SamplingParams(), marks=pytest.mark.slow), SAMPLED], ids=["greedy", "sampled"]
 )
