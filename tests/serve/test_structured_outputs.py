@@ -62,7 +62,7 @@ def _check(
     return out
 
 
-# greedy in the default set: the same check on the code and tools prompts (test_a_json_schema_on_every_real_prompt)
+# greedy in the default set: the same check on the tools prompt with the recommended spec (below)
 @pytest.mark.parametrize(
     "sampling", [pytest.param(SamplingParams(), marks=pytest.mark.slow), SAMPLED], ids=["greedy", "sampled"]
 )
