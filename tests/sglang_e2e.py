@@ -89,3 +89,25 @@ def _tokenizer() -> Any:
 
 def token_count(text: str) -> int:
     return len(_tokenizer().encode(text, add_special_tokens=False))
+
+
+def seeded_as_full_kv_sampling(server: Any, engine: Any, text: str, new_tokens: int, exactness: Any, name: str) -> str:
+    """A seeded request (T=0.8, top-p 0.95, seed 11) on ``server``'s native ``/generate`` must draw
+    the tokens the project's full-KV decoding samples with the same seed; recorded in ``exactness``.
+    Returns the engine's text."""
+    from vericache_sglang.core.sampling import SamplingParams
+
+    tokens = engine.encode(text)
+    ref = engine.generate(
+        engine.prefill(tokens, reuse_prefix=False),
+        "full",
+        cfg=engine.config(max_new_tokens=new_tokens, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=11)),
+    )
+    out = server.generate(
+        tokens, {"max_new_tokens": new_tokens, "temperature": 0.8, "top_p": 0.95, "sampling_seed": 11}
+    )
+    got = [t for t in out["output_ids"] if t not in engine.eos_token_ids]
+    want = [t for t in ref.tokens if t not in engine.eos_token_ids]
+    exactness(name, {"identical": got == want, "compared_tokens": len(want)})
+    assert got == want
+    return ref.text

@@ -14,7 +14,7 @@ import json
 
 import jsonschema
 import pytest
-from sglang_e2e import COPY, PERSON_FORMAT, compare_answers, prompt, same_as_stock
+from sglang_e2e import COPY, PERSON_FORMAT, compare_answers, prompt, same_as_stock, seeded_as_full_kv_sampling
 
 from vericache_sglang.bench.sglang_server import Ask, accepted_length, ask, ask_all, metric_growth
 
@@ -183,8 +183,6 @@ def test_seeded_sampling_is_the_same_across_runs_and_batches_and_is_full_kv_samp
     """The core's position-keyed sampler draws every token, so a seeded request's text depends on
     nothing but its seed and its logits: not on the run, not on its batch, and it is what the
     project's full-KV decoding samples with the same seed."""
-    from vericache_sglang.core.sampling import SamplingParams
-
     text = "Write a short story about a lighthouse keeper who finds a message in a bottle."
     params = {"temperature": 0.8, "top_p": 0.95, "seed": 11}
     q = Ask(text, "chat", max_tokens=24, params=params)
@@ -198,20 +196,10 @@ def test_seeded_sampling_is_the_same_across_runs_and_batches_and_is_full_kv_samp
         ],
     )
     assert alone == batched[0].text  # a second run, in a batch
-    tokens = real_engine.encode(text)
-    ref = real_engine.generate(
-        real_engine.prefill(tokens, reuse_prefix=False),
-        "full",
-        cfg=real_engine.config(max_new_tokens=24, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=11)),
+    ref_text = seeded_as_full_kv_sampling(
+        vericache, real_engine, text, 24, exactness, "sglang seeded sampling vs engine full-KV sampling"
     )
-    out = vericache.generate(tokens, {"max_new_tokens": 24, "temperature": 0.8, "top_p": 0.95, "sampling_seed": 11})
-    got = [t for t in out["output_ids"] if t not in real_engine.eos_token_ids]
-    want = [t for t in ref.tokens if t not in real_engine.eos_token_ids]
-    exactness(
-        "sglang seeded sampling vs engine full-KV sampling", {"identical": got == want, "compared_tokens": len(want)}
-    )
-    assert got == want
-    assert ref.text == alone
+    assert ref_text == alone
 
 
 def test_lookup_chains_under_a_json_schema(stock_server, vericache, exactness):

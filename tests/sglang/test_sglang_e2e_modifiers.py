@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import SGLANG_TEST_FLAGS
-from sglang_e2e import COPY, MODIFIERS, prompt, same_as_stock
+from sglang_e2e import COPY, MODIFIERS, prompt, same_as_stock, seeded_as_full_kv_sampling
 
 from vericache_sglang.bench.sglang_server import Ask, SGLangServer, ask_all
 
@@ -28,23 +28,10 @@ def refreshing(sglang_logs):
 
 @pytest.mark.slow
 def test_refresh_with_seeded_sampling_is_full_kv_sampling(refreshing, real_engine, exactness):
-    from vericache_sglang.core.sampling import SamplingParams
-
     text = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-    tokens = real_engine.encode(text)
-    ref = real_engine.generate(
-        real_engine.prefill(tokens, reuse_prefix=False),
-        "full",
-        cfg=real_engine.config(max_new_tokens=48, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=11)),
+    seeded_as_full_kv_sampling(
+        refreshing, real_engine, text, 48, exactness, "sglang refresh+lookup seeded sampling vs engine full-KV sampling"
     )
-    out = refreshing.generate(tokens, {"max_new_tokens": 48, "temperature": 0.8, "top_p": 0.95, "sampling_seed": 11})
-    got = [t for t in out["output_ids"] if t not in real_engine.eos_token_ids]
-    want = [t for t in ref.tokens if t not in real_engine.eos_token_ids]
-    exactness(
-        "sglang refresh+lookup seeded sampling vs engine full-KV sampling",
-        {"identical": got == want, "compared_tokens": len(want)},
-    )
-    assert got == want
 
 
 @pytest.mark.slow

@@ -83,23 +83,19 @@ CAUSES = [
 def test_generate_serve_and_prefix_exit_non_zero_at_start(token_store, tmp_path, case):
     doc = tmp_path / "doc.txt"
     doc.write_text("A short document. " * 40)
-    runs = {}
+    url, cause = _bad_urls(token_store.port)[case]
     with cf.ThreadPoolExecutor(3) as pool:
-        for name, (url, cause) in _bad_urls(token_store.port).items():
-            if name != case:
-                continue
-            runs[("generate", name)] = (
-                pool.submit(_cli, "generate", "--prompt", "hi", "--max-new-tokens", "4", "--store", url),
-                cause,
-            )
-            runs[("serve", name)] = (pool.submit(_cli, "serve", "--port", str(free_port()), "--store", url), cause)
-            runs[("prefix add", name)] = (pool.submit(_cli, "prefix", "add", str(doc), "--store", url), cause)
-    for (command, name), (future, cause) in runs.items():
+        runs = {
+            "generate": pool.submit(_cli, "generate", "--prompt", "hi", "--max-new-tokens", "4", "--store", url),
+            "serve": pool.submit(_cli, "serve", "--port", str(free_port()), "--store", url),
+            "prefix add": pool.submit(_cli, "prefix", "add", str(doc), "--store", url),
+        }
+    for command, future in runs.items():
         done = future.result()
-        assert done.returncode != 0, (command, name, done.stdout[-500:])
+        assert done.returncode != 0, (command, case, done.stdout[-500:])
         assert "vericache: error: store grpc" in done.stderr and cause in done.stderr, (
             command,
-            name,
+            case,
             done.stderr[-1500:],
         )
 
