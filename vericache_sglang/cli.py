@@ -343,7 +343,7 @@ def _add_prefix(sub: argparse._SubParsersAction) -> None:
     for q in (add, lst, rm):
         where = q.add_mutually_exclusive_group(required=True)
         where.add_argument("--server", help="a running 'vericache serve' (http://HOST:PORT): it does the work")
-        where.add_argument("--store", help="the full-KV store URL: this process loads the model and writes it")
+        where.add_argument("--store", help="the full-KV store URL: this process does the work (add loads the model)")
         q.add_argument("--model", default="smollm2", help="with --store: the model (its layout names the keys)")
         q.add_argument("--store-namespace", default="default")
         q.add_argument("--api-key-file", type=Path, help="with --server: its API key")
@@ -354,23 +354,32 @@ def _add_prefix(sub: argparse._SubParsersAction) -> None:
 def cmd_prefix(args: argparse.Namespace) -> int:
     if args.server:
         return _prefix_via_server(args)
-    from vericache_sglang.engine.engine import Engine
-    from vericache_sglang.engine.prefix import document_tokens, store_document
     from vericache_sglang.full_kv.documents import DocumentCatalog
 
-    engine = Engine(args.model, store=args.store, namespace=args.store_namespace)
-    if args.action == "remove":
-        if not DocumentCatalog(engine.store).remove(args.digest):
-            print(f"vericache: error: no document {args.digest} is listed", file=sys.stderr)
-            return 1
-        print(f"removed {args.digest}")
-        return 0
-    if args.action == "list":
-        docs = [d.to_json() for d in DocumentCatalog(engine.store).documents()]
+    if args.action in ("list", "remove"):
+        # the catalog is read and written by key: the model's layout names them, its weights are not needed
+        from remote_store import connect_store
+        from vericache_sglang.engine.hardware import memory_bandwidth
+        from vericache_sglang.engine.model import model_layout
+        from vericache_sglang.full_kv.store import FullKVStore
+
+        backend = connect_store(args.store, memory_bandwidth=lambda: memory_bandwidth("cpu"))
+        catalog = DocumentCatalog(FullKVStore(backend, model_layout(args.model), args.store_namespace))
+        if args.action == "remove":
+            if not catalog.remove(args.digest):
+                print(f"vericache: error: no document {args.digest} is listed", file=sys.stderr)
+                return 1
+            print(f"removed {args.digest}")
+            return 0
+        docs = [d.to_json() for d in catalog.documents()]
         print(
             json.dumps(docs) if args.json else "\n".join(f"{d['digest']}  {d['tokens']:>7}  {d['name']}" for d in docs)
         )
         return 0
+    from vericache_sglang.engine.engine import Engine
+    from vericache_sglang.engine.prefix import document_tokens, store_document
+
+    engine = Engine(args.model, store=args.store, namespace=args.store_namespace)
     text = sys.stdin.read() if str(args.file) == "-" else args.file.read_text()
     tokens = document_tokens(engine.tokenizer, text, args.role)
     t = time.monotonic()

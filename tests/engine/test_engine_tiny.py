@@ -14,7 +14,7 @@ from vericache_sglang.core.sampling import SamplingParams
 from vericache_sglang.engine.decode import GenerationConfig, generate_full, generate_lossy, generate_vericache
 from vericache_sglang.engine.engine import compare
 from vericache_sglang.engine.fetch import FetchError
-from vericache_sglang.engine.model import ModelError, load_model
+from vericache_sglang.engine.model import ModelError, load_model, model_layout
 from vericache_sglang.engine.prefill import prefill
 from vericache_sglang.engine.runner import ModelRunner, ResidentKV, Segment
 from vericache_sglang.full_kv.store import FullKVStore
@@ -236,6 +236,9 @@ def test_bad_inputs(tiny_runner, tmp_path):
     (tmp_path / "m" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ModelError, match="no weight files"):
         load_model(str(tmp_path / "m"))
+    with pytest.raises(ModelError, match="no weight files"):
+        model_layout(str(tmp_path / "m"))
+    assert model_layout("tiny") == tiny_runner.layout
 
 
 def test_generation_near_the_context_end_stops(tiny_runner):
@@ -285,6 +288,8 @@ def test_local_hf_directories_of_each_family_load_and_match_transformers(tmp_pat
     out = runner.forward([Segment(tokens, list(range(40)), ResidentKV(runner.layout, 40))])[0]
     assert (out.logits - ref).abs().max() < 1e-4
     assert loaded.model_id.startswith(tmp_path.name + "@")
+    # the layout store keys are named by, read without the weights (`vericache prefix list --store`)
+    assert model_layout(str(tmp_path)) == runner.layout
 
 
 def test_batch_invariant_runner_is_exact_and_row_stable(tiny_runner, pre, reference, exactness):

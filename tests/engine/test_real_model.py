@@ -177,14 +177,18 @@ def test_cli_prompt_longer_than_context(tmp_path):
         pytest.param("lmcache_url", marks=pytest.mark.slow),
     ],
 )
-def test_cli_store_backends_and_prefix_shared_across_processes(request, which):
+def test_cli_store_backends_and_prefix_shared_across_processes(request, which, tmp_path):
     import uuid
 
+    from vericache_sglang.bench.sglang_server import document_prompt
+
     url = request.getfixturevalue(which)
+    text = tmp_path / "prompt.txt"
+    text.write_text(document_prompt("prose", 640))  # ten store chunks: reuse needs no long prompt
     args = [
         "generate",
         "--prompt-file",
-        str(PROMPTS / "prose.txt"),
+        str(text),
         "--max-new-tokens",
         "8",
         "--horizon",

