@@ -144,19 +144,18 @@ def _session_uses(session: pytest.Session, fixture: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def vericache_launch(sglang_logs, store_url):
-    """The session's one ``--enable-vericache`` server in the shape users run
-    (``sglang_e2e.vericache_config``: SnapKV with both drafting modifiers, the full KV also in our gRPC
-    store), launched beside stock without waiting for it: its user waits (``wait_healthy``) and
-    stops it when done."""
+def vericache_launch(sglang_logs):
+    """The session's one ``--enable-vericache`` server (``sglang_e2e.MODIFIERS``: SnapKV with both
+    drafting modifiers; the full KV on the device, where the radix tree caches prompts, so a shared
+    document is cached), launched beside stock without waiting for it: its user waits
+    (``wait_healthy``) and stops it when done. The full KV off the device, in the store or the host
+    pool: ``tests/sglang/test_sglang_e2e_modes.py``."""
     pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
-    from sglang_e2e import vericache_config
+    from sglang_e2e import MODIFIERS
 
     from vericache_sglang.bench.sglang_server import SGLangServer
 
-    server = SGLangServer(
-        sglang_logs, "vericache", *SGLANG_TEST_FLAGS, vericache=vericache_config(store_url), wait=False
-    )
+    server = SGLangServer(sglang_logs, "vericache", *SGLANG_TEST_FLAGS, vericache=MODIFIERS, wait=False)
     yield server
     server.stop()
 

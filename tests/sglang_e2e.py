@@ -22,13 +22,6 @@ PERSON = {
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
 
-def vericache_config(store_url: str) -> dict:
-    """The session's shared VeriCache server (``conftest.vericache_launch``): the drafting modifiers,
-    and ``full_kv: "store"`` (the device copy stays authoritative, so it is also the device mode's
-    every path, plus each request's exact KV written to our gRPC store)."""
-    return {**MODIFIERS, "full_kv": "store", "store": store_url}
-
-
 def same_as_stock(
     stock: Any, server: Any, questions: list[Ask], exactness: Any, name: str
 ) -> tuple[list[Answer], list[Answer]]:

@@ -103,9 +103,11 @@ def test_bad_configurations_fail_the_launch_fast_saying_why_and_leave_nothing_be
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_a_store_that_dies_mid_generation_never_costs_a_verified_token(stock_server, sglang_logs, tmp_path, exactness):
-    """``full_kv: "store"`` keeps the device copy authoritative: killed mid-stream, the store's
-    writes fail and are counted, every token streamed is still stock SGLang's, and the server
-    serves correctly after the store returns (empty) and writes to it again."""
+    """``full_kv: "store"``, the full KV only in the store: killed mid-stream, the fetches fail and
+    the request's positions are recomputed from its committed tokens before each verification, the
+    writes fail and its new positions stay on the device; every token streamed is still stock
+    SGLang's, both counted. The server serves correctly after the store returns (empty) and
+    writes to it again."""
     store = StoreServer(tmp_path)
     config = {"compressor": "snapkv:ratio=0.125", "horizon": 8, "full_kv": "store", "store": store.url}
     server = SGLangServer(sglang_logs, "snapkv-store-faults", vericache=config)
@@ -123,7 +125,7 @@ def test_a_store_that_dies_mid_generation_never_costs_a_verified_token(stock_ser
                 killed = True
         assert killed and text == expected.text, (text, expected.text)
         down = server.metrics()
-        assert down["vericache_store_errors_total"] > 0
+        assert down["vericache_store_errors_total"] > 0 and down["vericache_full_kv_recomputes_total"] > 0
         store.start()  # back, empty
         after = ask(server, Ask(prompt("code"), "chat", max_tokens=48))
         cmp = compare_answers(ask(stock_server, Ask(prompt("code"), "chat", max_tokens=48)), after)

@@ -1,10 +1,12 @@
-"""Where the full KV lives, end to end in real SGLang servers: ``full_kv`` "store" (our gRPC store,
-Redis) and "host" (SGLang's host pool, reloaded per layer for each verification), with both
-SGLang-path compressors and, on the host, with the drafting modifiers; every answer is stock
-SGLang's. The default set runs SnapKV on the host, the plain draft loop (the store mode, which is
-the device mode plus the store's writes, is the session's shared server:
-``tests/sglang/test_sglang_e2e.py``); the whole matrix, the modifiers on the host and the host
-mode's memory saving are in the heavy set."""
+"""Where the full KV lives, end to end in real SGLang servers: ``full_kv`` "store" (only in our gRPC
+store or Redis, fetched for each verification while drafting runs), "host" (SGLang's host pool,
+reloaded per layer for each verification) and "device", with both SGLang-path compressors and, on
+the host, with the drafting modifiers; every answer is stock SGLang's. The default set runs
+SnapKV with the full KV in our gRPC store, the plain draft loop (the device mode with the drafting
+modifiers is the session's shared server: ``tests/sglang/test_sglang_e2e.py``; the host mode's
+pieces run on SGLang's objects in ``test_sglang_offload.py`` and ``test_sglang_host_tier.py``); the
+whole matrix (Redis and LMCache stores, the host), the modifiers on the host and both offloading
+modes' memory saving are in the heavy set."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def _config(compressor: str, full_kv: str, store: str | None = None) -> dict:
         cfg["store"] = store
     if full_kv == "host":
         cfg.update(reload_room=0.2, host_pool_ratio=1.0)
+    if full_kv == "store":
+        cfg.update(reload_room=0.2)
     return cfg
 
 
@@ -45,32 +49,38 @@ def _mode_evidence(server, full_kv):
     m = server.metrics()
     if full_kv == "device":
         assert m["vericache_full_kv_written_bytes_total"] == 0
-    else:  # written to the store, or offloaded to the host pool
+    else:  # offloaded to the store or the host pool, and fetched back for every verification
         assert m["vericache_full_kv_written_bytes_total"] > 0
-    if full_kv == "host":  # every verification reloaded its request's KV
         assert m["vericache_full_kv_fetched_bytes_total"] > 0
     assert m["vericache_store_errors_total"] == 0
+    assert m["vericache_full_kv_recomputes_total"] == 0
 
 
 @pytest.mark.parametrize(
     ("compressor", "full_kv", "store"),
     [
+        pytest.param(SNAPKV, "store", "grpc", id="snapkv-store-grpc"),
         pytest.param(STREAMING, "store", "grpc", id="streamingllm-store-grpc", marks=pytest.mark.slow),
-        pytest.param(SNAPKV, "host", None, id="snapkv-host"),
+        pytest.param(SNAPKV, "host", None, id="snapkv-host", marks=pytest.mark.slow),
         pytest.param(STREAMING, "device", None, id="streamingllm-device", marks=pytest.mark.slow),
-        pytest.param(SNAPKV, "store", "grpc", id="snapkv-store-grpc", marks=pytest.mark.slow),
         pytest.param(SNAPKV, "store", "redis", id="snapkv-store-redis", marks=pytest.mark.slow),
+        pytest.param(SNAPKV, "store", "lmcache", id="snapkv-store-lmcache", marks=pytest.mark.slow),
         pytest.param(STREAMING, "store", "redis", id="streamingllm-store-redis", marks=pytest.mark.slow),
         pytest.param(STREAMING, "host", None, id="streamingllm-host", marks=pytest.mark.slow),
     ],
 )
 def test_each_full_kv_place_answers_as_stock(request, stock_server, sglang_logs, exactness, compressor, full_kv, store):
-    url = request.getfixturevalue({"grpc": "store_url", "redis": "redis_url"}[store]) if store else None
+    fixture = {"grpc": "store_url", "redis": "redis_url", "lmcache": "lmcache_url"}.get(store)
+    url = request.getfixturevalue(fixture) if fixture else None
     name = f"{compressor.split(':')[0]}-{full_kv}{'-' + store if store else ''}"
     server = SGLangServer(sglang_logs, name, vericache=_config(compressor, full_kv, url))
     try:
         _check_identical(stock_server, server, exactness, name)
         _mode_evidence(server, full_kv)
+        if full_kv == "store":  # the prose prompt is in the store only; asked again, its prefix comes from there
+            again = [Ask(prompt("prose"), "completion", max_tokens=16)]
+            _, (got,) = same_as_stock(stock_server, server, again, exactness, f"{name} prefix from the store")
+            assert got.cached_tokens >= 896, got.cached_tokens  # whole chunks but the last 64 tokens
     finally:
         server.stop()
 
@@ -115,24 +125,29 @@ def test_modifiers_with_the_full_kv_on_the_host(stock_server, sglang_logs, exact
 
 
 @pytest.mark.slow
-def test_host_mode_holds_fewer_tokens_on_the_device_than_stock(stock_server, sglang_logs, exactness):
+@pytest.mark.parametrize("full_kv", ["host", "store"])
+def test_offloading_holds_at_most_half_the_device_tokens_of_stock(
+    request, stock_server, sglang_logs, exactness, full_kv
+):
     """Six 2,000-token requests at once: stock SGLang holds all their KV on the device; with
-    ``full_kv: "host"`` the device holds the reload room, what is being prefilled and the
-    compressed copies are elsewhere (the worker's own pool)."""
+    ``full_kv`` "host" or "store" the device holds the reload room and what is being prefilled (the
+    compressed copies are elsewhere: the worker's own pool)."""
     load = [
         Ask(prompt(name, 2000), kind, max_tokens=24)
         for name in ("prose", "code", "tools")
         for kind in ("completion", "chat")
     ]
-    server = SGLangServer(sglang_logs, "snapkv-host-peak", vericache=_config(SNAPKV, "host"))
+    store = request.getfixturevalue("store_url") if full_kv == "store" else None
+    server = SGLangServer(sglang_logs, f"snapkv-{full_kv}-peak", vericache=_config(SNAPKV, full_kv, store))
     try:
-        stock, host = run_load(stock_server, load), run_load(server, load)
-        stock_peak, expected, host_peak, got = stock.peak_tokens, stock.answers, host.peak_tokens, host.answers
+        stock, ours = run_load(stock_server, load), run_load(server, load)
+        stock_peak, expected, peak, got = stock.peak_tokens, stock.answers, ours.peak_tokens, ours.answers
         for q, ref, out in zip(load, expected, got, strict=True):
             cmp = compare_answers(ref, out)
-            exactness(f"sglang host peak load {q.label()}", cmp, stock_peak=stock_peak, host_peak=host_peak)
+            exactness(f"sglang {full_kv} peak load {q.label()}", cmp, stock_peak=stock_peak, peak=peak)
             assert cmp["identical"], (q.label(), ref.text, out.text)
+        _mode_evidence(server, full_kv)
     finally:
         server.stop()
     assert stock_peak >= 6 * 2000
-    assert host_peak < stock_peak, (host_peak, stock_peak)
+    assert peak <= stock_peak / 2, (peak, stock_peak)

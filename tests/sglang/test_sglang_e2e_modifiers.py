@@ -3,7 +3,7 @@ re-chosen at every verification from the verify pass's own queries over the full
 pool) and ``+lookup`` (prompt-lookup chains checked in one TARGET_VERIFY pass over the private
 pool), with seeded sampling against the project's full-KV sampling, and under rejection sampling
 with the store. The default set runs both modifiers on the session's shared server
-(``sglang_e2e.vericache_config``): every test of ``tests/sglang/test_sglang_e2e.py`` (single,
+(``sglang_e2e.MODIFIERS``): every test of ``tests/sglang/test_sglang_e2e.py`` (single,
 streamed and concurrent requests, a copy-heavy prompt, JSON schemas with lookup chains under the
 grammar, tool calls, a shared document's compressed copy, seeded sampling, and ``/metrics``
 showing refreshes and lookup drafts with fewer draft passes than drafts)."""

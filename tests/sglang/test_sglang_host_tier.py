@@ -22,8 +22,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from vericache_sglang.core.schedule import StaggeredScheduler
 from vericache_sglang.engine.engine import compare
 from vericache_sglang.engine.generation import Prefill
-from vericache_sglang.sglang.full_kv.host_reloads import ReloadRoomExhausted, StaggeredReloads
 from vericache_sglang.sglang.full_kv.host_tier import HostFullKV, HostTierFull
+from vericache_sglang.sglang.full_kv.reloads import ReloadRoomExhausted, StaggeredReloads
 from vericache_sglang.sglang.pool_kv import pool_layout, read_full_kv, write_full_kv
 
 LAYERS, HEADS, DIM = 4, 3, 16

@@ -112,6 +112,7 @@ def test_config_survives_pickling_to_a_subprocess():
         ({}, ("--radix-cache-backend", "flexkv"), "--radix-cache-backend 'flexkv' was given"),
         ({"full_kv": "host"}, ("--page-size", "16"), "--page-size > 1 with full_kv=host"),
         ({"full_kv": "host"}, ("--disaggregation-mode", "decode"), "disaggregation with full_kv=host"),
+        ({"full_kv": "store"}, ("--page-size", "16"), "--page-size > 1 with full_kv=store"),
         ({"full_kv": "host", "reload_room": 1.5}, (), "reload_room must be a number in (0.0, 1.0)"),
         ({"full_kv": "host", "host_pool_ratio": 0}, (), "host_pool_ratio must be a number in (0.0, inf)"),
     ],

@@ -28,8 +28,9 @@ SGLANG_DIR = Path(__file__).resolve().parents[2] / "vericache_sglang" / "sglang"
 WORKER_FILES = (
     "step/worker.py",
     "step/admission.py",
-    "full_kv/host_offload.py",
+    "full_kv/offload.py",
     "step/forward.py",
+    "step/passes.py",
     "step/request_plan.py",
     "step/step_output.py",
     "step/lookup_windows.py",

@@ -48,6 +48,8 @@ def _vericache_config(cfg: dict, mode: str, store_url: str | None, compressor: s
         out["compressor"] = compressor
     if mode == "store":
         out["store"] = store_url
+    if mode in ("store", "host"):  # the full KV off the device: the reload room's share of the pool
+        out.update(cfg.get("offload", {}))
     if mode == "host":
         out.update(cfg["host"])
     return out
@@ -70,6 +72,9 @@ def _measure(server: SGLangServer, loads: dict[str, list[Ask]], reference: dict 
             "mean_accepted_length": None,
             "draft_passes_per_step": None,
             "lookup_share": None,
+            "full_kv_written_mib": None,
+            "full_kv_fetched_mib": None,
+            "recomputes": None,
         }
         if name != "stock":
             after = server.metrics()
@@ -79,6 +84,9 @@ def _measure(server: SGLangServer, loads: dict[str, list[Ask]], reference: dict 
                 mean_accepted_length=accepted_length(after, before),
                 draft_passes_per_step=grown("vericache_draft_passes_total") / steps if steps else None,
                 lookup_share=grown("vericache_lookup_drafted_tokens_total") / drafted if drafted else None,
+                full_kv_written_mib=grown("vericache_full_kv_written_bytes_total") / 2**20,
+                full_kv_fetched_mib=grown("vericache_full_kv_fetched_bytes_total") / 2**20,
+                recomputes=grown("vericache_full_kv_recomputes_total"),
             )
         if reference is not None:
             ref = reference[label]
@@ -183,6 +191,9 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
             "lookup_share",
             "peak_kv_tokens",
             "kv_vs_stock",
+            "full_kv_written_mib",
+            "full_kv_fetched_mib",
+            "recomputes",
             "identical",
             "completion_tokens",
             "seconds",

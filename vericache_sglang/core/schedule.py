@@ -18,9 +18,9 @@ ADMIT tries ``d`` at the anchor (``horizon + 1`` iterations ahead), then one ear
 two earlier, ... and reserves the first that fits both rings; a request that fits nowhere waits,
 and waiting requests are retried first, in arrival order, so none starves. Bandwidth and
 iteration time are measured by the engine and fed in, never constants. Engine-independent: the
-reference engine's batch uses it, and so does the SGLang worker with ``full_kv: "host"``
-(``vericache_sglang/sglang/full_kv/host_reloads.py``), whose iterations are its draft passes and verify groups
-and whose verifications may not run before their drafts are done (``not_before``).
+reference engine's batch uses it, and so does the SGLang worker with ``full_kv`` "store" or "host"
+(``vericache_sglang/sglang/full_kv/reloads.py``), whose iterations are its draft passes and verify
+groups and whose verifications may not run before their drafts are done (``not_before``).
 """
 
 from __future__ import annotations

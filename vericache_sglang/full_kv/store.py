@@ -150,25 +150,29 @@ class FullKVStore:
         return chunk_refs(tokens, self.chunk_tokens, self.salt, upto)
 
     # shared prefixes
-    def longest_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens have their full KV stored in shared (whole) chunks."""
+    def longest_prefix(self, tokens: Sequence[int], start: int = 0) -> int:
+        """How many leading tokens have their full KV stored in shared (whole) chunks (one round
+        trip). With ``start``, the caller holds the tokens before it: chunks ending at or before it
+        are not asked for, and 0 means none past it is stored."""
+        whole = [r for r in self.refs(tokens) if r.num_tokens == self.chunk_tokens and r.end > start]
+        if not whole:
+            return 0
+        layers = self.layout.num_layers
+        present = self.backend.exists_many([self.key(r, layer) for r in whole for layer in range(layers)])
         found = 0
-        for ref in self.refs(tokens):
-            if ref.num_tokens < self.chunk_tokens:
-                break
-            keys = [self.key(ref, layer) for layer in range(self.layout.num_layers)]
-            if not all(self.backend.exists_many(keys)):
+        for i, ref in enumerate(whole):
+            if not all(present[i * layers : (i + 1) * layers]):
                 break
             found = ref.end
         return found
 
-    def load_prefix(self, tokens: Sequence[int], upto: int) -> FullKV:
-        """The shared full KV of ``tokens[:upto]`` (``upto`` from ``longest_prefix``)."""
-        refs = self.refs(tokens, upto)
+    def load_prefix(self, tokens: Sequence[int], upto: int, start: int = 0) -> FullKV:
+        """The shared full KV of ``tokens[start:upto]`` (``upto`` from ``longest_prefix``)."""
+        refs = [r for r in self.refs(tokens, upto) if r.end > start]
         layers = []
         for layer in range(self.layout.num_layers):
             records = self.backend.get_many([self.key(r, layer) for r in refs])
-            layers.append(self._join(refs, layer, records, None))
+            layers.append(self._join(refs, layer, records, None, (start, upto)))
         return FullKV(self.layout, layers)
 
     def _join(
@@ -221,18 +225,21 @@ class FullKVStore:
         for kv, delete_private in deferred:
             kv._release(delete_private)
 
-    def open_request(self, tokens: Sequence[int], request_id: str | None = None) -> RequestKV:
-        return RequestKV(self, tokens, request_id or uuid.uuid4().hex[:16])
+    def open_request(self, tokens: Sequence[int], request_id: str | None = None, shared: bool = True) -> RequestKV:
+        """A request of prompt ``tokens``; ``shared=False``: its prompt's chunks are its own too
+        (never found by another request's prefix lookup)."""
+        return RequestKV(self, tokens, request_id or uuid.uuid4().hex[:16], shared)
 
 
 class RequestKV:
     """One request's full KV in the store: written as it is committed, fetched layer by layer."""
 
-    def __init__(self, store: FullKVStore, prompt: Sequence[int], request_id: str):
+    def __init__(self, store: FullKVStore, prompt: Sequence[int], request_id: str, shared: bool = True):
         self.store = store
         self.request_id = request_id
         self.tokens: list[int] = list(prompt)
-        self.shared_end = len(prompt) - len(prompt) % store.chunk_tokens  # whole prompt chunks
+        # whole prompt chunks are shared (content-keyed, found by other requests' prefix lookups)
+        self.shared_end = len(prompt) - len(prompt) % store.chunk_tokens if shared else 0
         self.stored = 0  # positions [0, stored) have their KV in the store
         self._tail: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # KV of the partial last chunk
         self._pinned: list[str] = []

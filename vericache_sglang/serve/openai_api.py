@@ -16,17 +16,18 @@ import hmac
 import json
 import time
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from vericache_sglang.core.sampling import SamplingParams
 from vericache_sglang.engine.constraint import Constraint, ConstraintError
 from vericache_sglang.engine.generation import GenerationResult
 from vericache_sglang.engine.prefix import document_tokens
+from vericache_sglang.serve.protocol import ChatRequest, CompletionRequest, DocumentRequest, GenerationRequest
 from vericache_sglang.serve.service import EngineService, Handle, ServeError
 from vericache_sglang.serve.tools import ToolError, ToolPrompt, check_tools, required_function, tool_format
 
@@ -46,78 +47,6 @@ REFUSED = {
     "suffix": None,
 }
 TOOL_FIELDS = {"tools": None, "tool_choice": None, "parallel_tool_calls": None}  # chat only
-_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-
-
-class VeriCacheOptions(BaseModel):
-    model_config = _STRICT
-    compressor: str | None = None
-    horizon: int | None = None
-    adaptive_horizon: bool = False
-    check: bool = False  # also decode with the full KV and report the comparison (slow: a full decode)
-
-
-class StreamOptions(BaseModel):
-    model_config = _STRICT
-    include_usage: bool = True  # the last chunk carries usage either way
-
-
-class _Common(BaseModel):
-    model_config = _STRICT
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, lt=1 << 63)
-    stop: str | list[str] | None = Field(None, max_length=16)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    user: str | None = Field(None, max_length=256)  # an end-user id: accepted, not used
-    vericache: VeriCacheOptions = Field(default_factory=VeriCacheOptions)
-    # refused unless neutral (REFUSED)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[int]
-    logprobs: int | None = Field(None, ge=0, le=1)  # the chosen tokens' log-probabilities only
-    echo: bool = False
-    best_of: int = Field(1, ge=1)
-    suffix: str | None = None
-
-
-class DocumentRequest(BaseModel):
-    model_config = _STRICT
-    name: str | None = None
-    text: str | None = None
-    role: str = "system"  # the chat-template segment it is rendered as; "raw": plain text tokens
-    token_ids: list[int] | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = None  # None only for an assistant turn that made tool calls
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (OpenAI's shape)
-    tool_call_id: str | None = None  # a tool turn's answer to one
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int = Field(0, ge=0, le=20)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -254,7 +183,7 @@ def create_app(
             "data": [{"id": model_name, "object": "model", "owned_by": "vericache", "created": 0}],
         }
 
-    def constraint_of(req: _Common) -> Constraint | None:
+    def constraint_of(req: GenerationRequest) -> Constraint | None:
         fmt = req.response_format
         if fmt is None or fmt.get("type") == "text":
             return None
@@ -264,7 +193,7 @@ def create_app(
             raise ServeError(400, str(e), param="response_format") from None
 
     def submit(
-        req: _Common, tokens: list[int], max_tokens: int | None, constraint: Constraint | None = None
+        req: GenerationRequest, tokens: list[int], max_tokens: int | None, constraint: Constraint | None = None
     ) -> tuple[Handle, tuple[str, ...]]:
         refused = _refused_fields(req)
         if refused:

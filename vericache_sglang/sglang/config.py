@@ -16,10 +16,12 @@ from vericache_sglang.core.accept import VERIFICATIONS, Verification
 from vericache_sglang.core.compress import COMPRESSORS, Compressor, SpecError, parse_spec
 
 # Where a request's full KV lives between verifications. "device": in SGLang's own KV pool
-# (self-speculation; no memory saved). "store": also written to the full-KV store after prefill
-# and after each verify (the device copy stays). "host": moved to SGLang's host pool after prefill
-# and after each verify, its device slots freed, and reloaded per layer for each verification at
-# the time the staggered scheduler plans (tested on CPU in real servers; on a GPU unverified).
+# (self-speculation; no memory saved). "store": only in the full-KV store (``store``: our gRPC
+# store, Redis, LMCache), written after prefill and after each verification, its device slots
+# freed, and fetched for each verification while the draft passes run; what the store does not
+# deliver is recomputed from the committed tokens. "host": the same with SGLang's host pool as the
+# tier. Both reload at the time the staggered scheduler plans (tested on CPU in real servers; on a
+# GPU unverified).
 FullKVPlace = Literal["device", "store", "host"]
 FULL_KV_PLACES: tuple[str, ...] = get_args(FullKVPlace)
 MAX_HORIZON = 64
@@ -75,7 +77,7 @@ class VeriCacheConfig:
     full_kv: FullKVPlace = "store"
     store: str = "memory://"  # full-KV store URL (remote_store.open_store)
     verification: Verification = "exact"
-    reload_room: float = 0.25  # full_kv=host: share of the KV pool held for reloads
+    reload_room: float = 0.25  # full_kv host or store: share of the KV pool held for reloads
     host_pool_ratio: float = 4.0  # full_kv=host: host pool tokens per device pool token
 
     def __post_init__(self) -> None:

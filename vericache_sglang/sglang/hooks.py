@@ -82,13 +82,13 @@ def implied_flags(cfg: VeriCacheConfig) -> dict[str, Any]:
 # Settings VeriCache cannot serve yet, each with why.
 def _unsupported(server_args: ServerArgs, cfg: VeriCacheConfig) -> list[str]:
     problems = []
-    if cfg.full_kv == "host":
+    if cfg.full_kv in ("host", "store"):
         if int(getattr(server_args, "page_size", 1) or 1) > 1:
-            problems.append("--page-size > 1 with full_kv=host: offloaded rows are moved token by token")
+            problems.append(f"--page-size > 1 with full_kv={cfg.full_kv}: offloaded rows are moved token by token")
         if str(getattr(server_args, "disaggregation_mode", "null")) not in ("null", "None"):
             problems.append(
-                "prefill/decode disaggregation with full_kv=host: a retraction backup would read "
-                "rows whose KV is in the host tier"
+                f"prefill/decode disaggregation with full_kv={cfg.full_kv}: a retraction backup would read "
+                "rows whose KV is off the device"
             )
     if int(getattr(server_args, "tp_size", 1) or 1) > 1:
         problems.append("tensor parallelism (--tp-size > 1): the compressed pool is not sharded yet")
@@ -101,7 +101,7 @@ def _unsupported(server_args: ServerArgs, cfg: VeriCacheConfig) -> list[str]:
     if getattr(server_args, "enable_hierarchical_cache", False):
         problems.append(
             "--enable-hierarchical-cache: VeriCache's worker moves the full KV itself "
-            "(vericache-config full_kv=store); HiCache's device tree is not combined with it yet"
+            "(vericache-config full_kv store or host); HiCache's device tree is not combined with it yet"
         )
     return problems
 

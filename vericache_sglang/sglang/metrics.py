@@ -49,7 +49,7 @@ class WorkerMetrics:
         self.full_kv_written = Counter(
             "vericache_full_kv_written_bytes", "Full-KV bytes written to the store or the host tier", names
         ).labels(**labels)
-        # Reloads for verification (full_kv=host). The link wait stays at 0 in the worker: the
+        # Reloads for verification (full_kv "host" or "store"). The link wait stays at 0 in the worker: the
         # verify pass waits per layer on the device's stream, which the host cannot time without
         # a synchronisation; defined so the series exist under the names `vericache serve` uses.
         self.full_kv_fetched = Counter(
@@ -57,6 +57,17 @@ class WorkerMetrics:
         ).labels(**labels)
         self.link_wait = Counter(
             "vericache_link_wait_seconds", "Time verifications waited for full-KV layers", names
+        ).labels(**labels)
+        self.full_kv_recomputes = Counter(
+            "vericache_full_kv_recomputes",
+            "Verifications whose full KV the store did not deliver, recomputed from the committed tokens",
+            names,
+        ).labels(**labels)
+        self.store_prefix_hits = Counter(
+            "vericache_store_prefix_hits", "Prompts whose prefix was loaded from the full-KV store, not computed", names
+        ).labels(**labels)
+        self.store_prefix_tokens = Counter(
+            "vericache_store_prefix_tokens", "Prompt tokens loaded from the full-KV store, not computed", names
         ).labels(**labels)
         self.prefix_copies_made = Counter(
             "vericache_prefix_copies_made", "Compressed copies made of cached prefixes", names

@@ -30,15 +30,20 @@ def _layer_buffers(pool: MHATokenToKVPool, layer: int) -> tuple[torch.Tensor, to
     return pool._get_key_buffer(pool.start_layer + layer), pool._get_value_buffer(pool.start_layer + layer)
 
 
+def write_layer(pool: MHATokenToKVPool, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write one layer's ``(keys, values)`` ``[kv_heads, n, head_dim]`` into the pool at ``slots``."""
+    idx = slots.to(device=pool.device, dtype=torch.int64)
+    k_buf, v_buf = _layer_buffers(pool, layer)
+    k_buf[idx] = k.transpose(0, 1).to(device=k_buf.device, dtype=k_buf.dtype)
+    v_buf[idx] = v.transpose(0, 1).to(device=v_buf.device, dtype=v_buf.dtype)
+
+
 def _write_layers(
     pool: MHATokenToKVPool, slots: torch.Tensor, layers: Iterable[tuple[torch.Tensor, torch.Tensor]]
 ) -> None:
     """Write per-layer ``(keys, values)`` ``[kv_heads, n, head_dim]`` into the pool at ``slots``."""
-    idx = slots.to(device=pool.device, dtype=torch.int64)
     for layer, (k, v) in enumerate(layers):
-        k_buf, v_buf = _layer_buffers(pool, layer)
-        k_buf[idx] = k.transpose(0, 1).to(device=k_buf.device, dtype=k_buf.dtype)
-        v_buf[idx] = v.transpose(0, 1).to(device=v_buf.device, dtype=v_buf.dtype)
+        write_layer(pool, slots, layer, k, v)
 
 
 def read_full_kv(pool: MHATokenToKVPool, indices: torch.Tensor, layout: KVLayout) -> FullKV:

@@ -15,8 +15,10 @@ after it folded in exactly; the first request without one makes it, for the matc
 down to a multiple of ``COPY_GRAIN`` tokens (so requests whose questions differ in length still
 meet at the same node), scored by that request's queries, which follow the prefix.
 
-Requests whose full KV the worker offloads (``full_kv: "host"``) stay out of the tree; their rows
-are freed through ``free_kv_row``/``on_release``, which leave the offloaded positions alone.
+Requests whose full KV the worker offloads (``full_kv`` "store" or "host") stay out of the tree;
+their rows are freed through ``free_kv_row``/``on_release``, which leave the offloaded positions
+alone. With ``"store"`` their prompts' whole chunks are in the store, and ``match_prefix`` loads a
+stored prefix back into the tree for the next request over it, on this server or another.
 """
 
 from __future__ import annotations
@@ -26,15 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams, MatchResult
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from vericache_sglang.core.kv import CompressedKV
-from vericache_sglang.sglang.full_kv.host_rows import offload_for
+from vericache_sglang.sglang.full_kv.offload_rows import offload_for
+from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
 from vericache_sglang.sglang.step.draft_state import OBS_WINDOW
 
 if TYPE_CHECKING:
-    import torch
     from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import InsertResult
@@ -71,6 +74,37 @@ class VeriCacheRadixCache(RadixCache):
         self.release_listeners: list[Callable[[str], None]] = getattr(self, "release_listeners", [])
         if self.token_to_kv_pool_allocator is not None:
             _TREES[id(self.token_to_kv_pool_allocator)] = self
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """SGLang's match; with ``full_kv: "store"``, a scheduled request's prompt is also looked
+        up in the store: a longer prefix any server (or an earlier request) wrote there is loaded
+        into device slots and inserted into the tree, so SGLang reports it cached and prefills only
+        the rest. The store's records are checked; a miss or a bad record is an ordinary miss."""
+        result = super().match_prefix(params)
+        key = params.key
+        if params.req is None or self.disable or key.extra_key is not None or key.cache_salt is not None:
+            return result  # the tree's own lookups, and requests kept apart from others (salt, adapter)
+        ledger = offload_for(self.token_to_kv_pool_allocator)
+        source = getattr(ledger, "tier", None)
+        if not isinstance(source, StoreFullKV):
+            return result
+        have = result.device_prefix_len
+        tokens = list(key.token_ids[: len(key)])
+        n = source.stored_prefix(tokens, have)
+        if n <= have:
+            return result
+        alloc = self.token_to_kv_pool_allocator
+        if alloc.available_size() < n - have:
+            self.evict(EvictParams(num_tokens=n - have))
+        slots = alloc.alloc(n - have)
+        if slots is None:
+            return result
+        if not source.load_prefix(tokens, have, n, slots):
+            alloc.free(slots)
+            return result
+        value = torch.cat([self.path_device_indices(result.last_device_node).to(slots.device), slots.to(torch.int64)])
+        self.insert(InsertParams(key=RadixKey(key.token_ids[:n]), value=value))  # the tree's own id type
+        return super().match_prefix(params)
 
     def swa_reprefill_tail_tokens(self, req: Req | None = None) -> int:
         """Tokens at the end of a prompt that are computed again even when cached: the worker's

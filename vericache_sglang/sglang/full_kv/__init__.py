@@ -1,7 +1,8 @@
-"""Where a running request's full KV lives, one module family per ``full_kv`` value.
+"""Where a running request's full KV lives between verifications, for each ``full_kv`` value.
 
-``"device"`` is SGLang's own pool (nothing here). ``"host"``: ``host_offload`` (the worker's side),
-``host_tier`` (SGLang's host pool and transfer engine), ``host_rows`` (which row positions are on
-the host, the reload arena), ``host_reloads`` (the core's staggered plan carried out).
-``"store"``: ``store_writes`` (each request's exact KV written to the full-KV store).
+``"device"`` is SGLang's own pool (nothing here). ``"host"`` and ``"store"`` take it off the device
+through one offload (``offload``: the worker's side; ``offload_rows``: which row positions are off
+the device, the reload arena; ``reloads``: the core's staggered plan carried out) over a tier:
+``host_tier`` (SGLang's host pool and transfer engine) or ``store_tier`` (the full-KV store only,
+fetched on a thread while drafting runs).
 """

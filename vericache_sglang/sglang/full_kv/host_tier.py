@@ -153,6 +153,16 @@ class HostFullKV:
 
     # -- device to host -------------------------------------------------------------------------
 
+    def open(self, rid: str, tokens: Sequence[int], prefix_slots: torch.Tensor, shared: bool = True) -> None:
+        """A prefilled request (the host tier holds KV by slot, not by token: nothing to note)."""
+
+    def extend(self, rid: str, tokens: Sequence[int]) -> None:
+        """Tokens committed after the request's known ones (nothing to note)."""
+
+    def accepts(self, rid: str) -> bool:
+        """Whether ``rid``'s positions can be offloaded (any request's, while there is room)."""
+        return True
+
     def offload(self, rid: str, device_slots: torch.Tensor) -> TransferCompletion:
         """Append the KV at ``device_slots`` (the request's next tokens, in order) to ``rid``'s row.
 
@@ -233,6 +243,10 @@ class HostFullKV:
             return None
         del self._loads[producer]
         return nbytes, done.start_event.elapsed_time(done.finish_event) / 1e3
+
+    def failed(self, rid: str) -> BaseException | None:
+        """A host-to-device copy does not fail once issued."""
+        return None
 
     def done(self) -> None:
         """The verify pass has been issued: later passes (prefill, drafts) do not wait."""

@@ -6,37 +6,28 @@ the step is synchronous). A prefill (EXTEND) runs the target model as is, captur
 last queries for the scoring compressors, compresses the prompt's exact KV into the private draft
 pool and plans the request (``request_plan``). A decode step, for every running request:
 
-1. ``horizon`` draft passes over ``CompressedDraftPool`` through the private draft backend
-   (``ForwardContext`` override, UNO's pattern), one token per drafting request each; drafted K/V
-   goes to scratch slots. A grammar masks each draft (``grammar_masks``). With ``+lookup`` each
-   request's window is the core's ``DraftWindow`` (prompt-lookup chains over its committed tokens,
-   checked by the model): a pass feeds each request its pending tokens, one (DECODE) or a chain
-   (TARGET_VERIFY over the private pool), until every window is full; a window walks its
-   request's grammar (``WindowGrammar``).
-2. One verify pass over the target pool (``forward``: TARGET_VERIFY, in the representation the
-   attention backend reads), writing the chain's exact K/V at the slots SGLang reserved. With
-   ``full_kv=host`` (``host_offload``) the requests' own KV is off the device between
-   verifications: the draft passes are iterations of the core's staggered scheduler, reloads start
-   during them, and the verify pass runs per group, each reload lent to its request's row.
+1. ``horizon`` draft passes over ``CompressedDraftPool`` (``passes``), one token per drafting
+   request each, masked by its grammar (``grammar_masks``); with ``+lookup``, the core's
+   ``DraftWindow`` per request (``lookup_windows``): prompt-lookup chains checked by the model.
+2. One verify pass over the target pool (``forward``, ``passes``), writing the chain's exact K/V
+   at the slots SGLang reserved. With ``full_kv`` "host" or "store" (``full_kv.offload``) each
+   request's own KV is off the device between verifications: the draft passes are iterations of
+   the core's staggered scheduler, reloads (fetches) start during them, the verify pass runs per
+   group, each reload lent to its request's row, and what the store did not deliver is
+   recomputed from the committed tokens first.
 3. The core decides per request (``core.accept``: greedy, or its position-keyed sampler; the same
    grammar masks on the full-KV logits). Requests whose settings only SGLang's sampler applies
-   ("own" in ``request_plan``) take SGLang's own sample at their seed position instead: one
-   verified token per step, exactly a stock decode step's choice.
-4. The committed tokens' exact K/V (read back from the target pool) goes into the compressed KV
-   through the compressor's ``update`` (with ``+refresh``, its refreshed rows re-chosen by the
-   verify pass's queries of those tokens over the request's full KV, still in the pool; with
-   ``full_kv=host`` while its group's reload is lent), to the store (``full_kv=store``,
-   ``store_writes``) and, with ``full_kv=host``, to the host tier, its device slots freed.
-   The correction or bonus token is the next seed (no K/V yet), as in SGLang's own spec-v2
-   convention.
+   ("own" in ``request_plan``) take SGLang's own sample at their seed position: one verified
+   token per step, exactly a stock decode step's choice.
+4. The committed tokens' exact K/V goes into the compressed KV (the compressor's ``update``; with
+   ``+refresh`` rows re-chosen by the verify pass's queries over the full KV, still in the pool or
+   lent) and, offloaded, leaves the device for its tier. The correction or bonus token is the
+   next seed (no K/V yet), as in SGLang's own spec-v2 convention.
 
-Tested on CPU in real SGLang server processes (``tests/sglang/test_sglang_e2e.py``: torch_native
+Tested on CPU in real SGLang server processes (``tests/sglang/test_sglang_e2e*.py``, torch_native
 attention). On a GPU (flashinfer, triton, fa3) unverified: no machine here has a GPU with sglang;
-``benchmarks/sglang_gpu.sh`` is the check to run there.
-
-Not done yet: with ``full_kv=host``, moving KV off the device asynchronously (the worker waits for
-each device-to-host copy before freeing the slots) and sharing a matched prefix's host copy between
-requests (each offloaded request keeps its own rows; a prefix it matched stays on the device).
+``benchmarks/sglang_gpu.sh`` is the check to run there. Not done yet: offloading asynchronously
+(the step waits for each device-to-host copy or store write before freeing the slots).
 """
 
 from __future__ import annotations
@@ -49,18 +40,14 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
-from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
-from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from vericache_sglang.core.accept import Verdict
 from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.core.sampling import Sampler
-from vericache_sglang.sglang.cpu.chain_attention import NAME as CHAIN_BACKEND
-from vericache_sglang.sglang.draft.attention import RUNNER_ATTR, create_draft_backend, pools_bound
+from vericache_sglang.sglang.draft.attention import RUNNER_ATTR
 from vericache_sglang.sglang.draft.pool import CompressedDraftPool
 from vericache_sglang.sglang.hooks import config_of
 from vericache_sglang.sglang.metrics import WorkerMetrics, metrics_enabled
@@ -70,21 +57,19 @@ from vericache_sglang.sglang.step.admission import PromptAdmission
 from vericache_sglang.sglang.step.draft_state import QueryCapture, VeriCacheDraftInput
 from vericache_sglang.sglang.step.forward import ForwardBuilder
 from vericache_sglang.sglang.step.grammar_masks import ChainMasks
+from vericache_sglang.sglang.step.passes import Passes
 from vericache_sglang.sglang.step.request_plan import Plan, plan_request
 from vericache_sglang.sglang.step.step_output import step_output
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.tp_worker import TpModelWorker
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.server_args import ServerArgs
 
     from vericache_sglang.core.kv import FullKV, KVLayout
-    from vericache_sglang.sglang.full_kv.host_offload import HostOffload
-    from vericache_sglang.sglang.full_kv.store_writes import RequestWrites
+    from vericache_sglang.sglang.full_kv.offload import FullKVOffload
     from vericache_sglang.sglang.step.lookup_windows import LookupWindows
 
 logger = logging.getLogger(__name__)
@@ -112,16 +97,12 @@ class VeriCacheWorker(BaseSpecWorker):
         self.layout: KVLayout | None = None
         self.draft_pool: CompressedDraftPool | None = None
         self.forwards: ForwardBuilder | None = None
-        self.draft_backend: AttentionBackend | None = None
-        self.draft_chain_backend: AttentionBackend | None = None  # lookup chains' check (+lookup)
-        self.verify_backend: AttentionBackend | None = None  # None: the server's own backend verifies
+        self.passes: Passes | None = None
         self._capture: QueryCapture | None = None
         self._admission: PromptAdmission | None = None
-        self.store: RequestWrites | None = None  # full_kv=store
-        self.host: HostOffload | None = None  # full_kv=host
+        self.offload: FullKVOffload | None = None  # full_kv "host" or "store"
         self.lookup: LookupWindows | None = None  # +lookup
         self._plans: dict[str, Plan] = {}  # rid -> how the request is served
-        self._host_bytes_seen = (0, 0)  # the host tier's byte totals already counted in the metrics
         self.metrics: WorkerMetrics | None = None
         if metrics_enabled(server_args):
             self.metrics = WorkerMetrics(
@@ -164,42 +145,35 @@ class VeriCacheWorker(BaseSpecWorker):
             scratch=2 * self.horizon + 1 if self.compressor.lookup else None,
         )
         setattr(runner, RUNNER_ATTR, self.draft_pool.pools)
-        if self.cfg.full_kv == "store":
-            from remote_store import connect_store
-            from vericache_sglang.full_kv.store import FullKVStore
-            from vericache_sglang.sglang.full_kv.store_writes import RequestWrites
+        if self.cfg.full_kv in ("host", "store"):
+            from vericache_sglang.sglang.full_kv.offload import FullKVOffload
 
-            # a store that cannot be used as configured fails the launch here, naming it and why
-            self.store = RequestWrites(
-                FullKVStore(connect_store(self.cfg.store), self.layout, namespace="sglang"), self.metrics
-            )
-        if self.cfg.full_kv == "host":
-            from vericache_sglang.sglang.full_kv.host_offload import HostOffload
+            tier = None  # the host pool
+            if self.cfg.full_kv == "store":
+                from remote_store import connect_store
+                from vericache_sglang.full_kv.store import FullKVStore
+                from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
 
-            self.host = HostOffload(
+                # a store that cannot be used as configured fails the launch here, naming it and why
+                store = FullKVStore(connect_store(self.cfg.store), self.layout, namespace="sglang")
+                tier = StoreFullKV(target_pool, store)
+            self.offload = FullKVOffload(
                 self.cfg,
                 runner,
                 token_to_kv_pool_allocator or runner.token_to_kv_pool_allocator,
                 on_release=self._forget,
+                tier=tier,
+                on_error=self._store_error,
             )
 
     def init_attention_backends(self) -> None:
         runner = self.model_runner
         self.forwards = ForwardBuilder(runner, runner.prefill_attention_backend_str)
-        self.draft_pool.pools.inner_backend = runner.decode_attention_backend_str  # drafting is decoding
-        self.draft_backend = create_draft_backend(runner)
-        # the server's backend verifies where it reads SGLang's chain mask; torch_native cannot
-        if self.forwards.convention == "chain":
-            self.verify_backend = ATTENTION_BACKENDS[CHAIN_BACKEND](runner)
-        # a lookup chain's check: a TARGET_VERIFY pass over the private pool (on a GPU the draft
-        # backend's own masked TARGET_VERIFY: unverified, no GPU with sglang here)
-        self.draft_chain_backend = self.draft_backend
-        if self.compressor.lookup is not None:
+        lookup = self.compressor.lookup is not None
+        self.passes = Passes(self.target_worker, self.forwards, self.draft_pool, lookup, self.offload)
+        if lookup:
             from vericache_sglang.sglang.step.lookup_windows import LookupWindows
 
-            if self.forwards.convention == "chain":
-                with pools_bound(runner, self.draft_pool.pools):
-                    self.draft_chain_backend = ATTENTION_BACKENDS[CHAIN_BACKEND](runner)
             self.lookup = LookupWindows(
                 self.compressor.lookup,
                 self.horizon,
@@ -208,8 +182,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 runner.model_config.vocab_size,
                 self.cfg.verification == "rejection",
                 self.device,
-                partial(self._timed, self._draft_pass),
-                partial(self._timed, self._chain_pass),
+                self.passes.draft,
+                self.passes.chain,
             )
         self._capture = QueryCapture(self.model_runner.model, self.model_runner.model_config.head_dim)
         self._admission = PromptAdmission(
@@ -255,7 +229,7 @@ class VeriCacheWorker(BaseSpecWorker):
             zip(batch.reqs, batch.seq_lens.tolist(), batch.extend_lens, strict=True)
         ):
             offset += ext
-            if self.host is not None:
+            if self.offload is not None:
                 # before SGLang checkpoints the first chunk into the tree: the rows stay the request's
                 req.skip_radix_cache_insert = True
             if seq_len - ext == 0 or req.rid not in self._capture.tails:
@@ -279,33 +253,17 @@ class VeriCacheWorker(BaseSpecWorker):
                 if req.return_logprob:
                     row = torch.log_softmax(logits[i].float() / plan.sampler.params.temperature, dim=-1)
                     result.logits_output.next_token_logprobs[i] = row[token]
-            full = self._admission.admit(req, seq_len, ext)
+            self._admission.admit(req, seq_len, ext)
             if self.lookup is not None and self.draft_pool.has(req.rid):
                 self.lookup.admit(req.rid, [*req.origin_input_ids, *req.output_ids, int(next_ids[i])])
-            if self.store is not None:
-                self.store.open(req.rid, list(req.origin_input_ids), full)
-            if self.host is not None:
-                self.host.offload(req, seq_len)
+            if self.offload is not None:
+                self.offload.admit(req, seq_len)
         self._capture.clear()
         result.next_draft_input = VeriCacheDraftInput(seeds=next_ids.reshape(-1).to(torch.int64))
         result.new_seq_lens = batch.seq_lens
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         return result
-
-    @contextlib.contextmanager
-    def _using(self, backend: AttentionBackend | None, fb: ForwardBatch):
-        """Run a forward of ``fb`` through ``backend`` (None: the runner's own)."""
-        if backend is None:
-            yield
-            return
-        saved = self.model_runner.attn_backend
-        self.model_runner.attn_backend = backend
-        try:
-            with forward_context(ForwardContext(attn_backend=backend), forward_batch=fb):
-                yield
-        finally:
-            self.model_runner.attn_backend = saved
 
     def _draft(
         self,
@@ -327,7 +285,7 @@ class VeriCacheWorker(BaseSpecWorker):
         tokens, drafts, probs = seeds[rows], [], []
         for j in range(self.horizon):
             fb = self.forwards.draft(batch, tokens, private, kept + j + 1, scratch[:, j], committed[rows] + j)
-            logits = self._timed(self._draft_pass, fb).float()
+            logits = self.passes.draft(fb).float()
             masks.fill(j, rows)
             masks.apply(logits, j, rows)
             tokens, q = draws(logits, [samplers[i] for i in rows], [p + j + 1 for p in seed_positions], rejection)
@@ -339,21 +297,6 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.metrics is not None:
             self.metrics.draft_passes.inc(self.horizon)
         return torch.stack(drafts, dim=1), probs
-
-    def _timed(self, forward: Callable[[ForwardBatch], torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
-        """One draft pass, ``forward(fb)``: with ``full_kv=host`` an iteration of the reload plan."""
-        run = partial(forward, fb)
-        return run() if self.host is None else self.host.draft_pass(run)
-
-    def _draft_pass(self, fb: ForwardBatch) -> torch.Tensor:
-        with self._using(self.draft_backend, fb):
-            return self.model_runner.forward(fb).logits_output.next_token_logits
-
-    def _chain_pass(self, fb: ForwardBatch) -> torch.Tensor:
-        """A TARGET_VERIFY pass over the private pool (lookup chains): every row's logits."""
-        with self._using(self.draft_chain_backend, fb):
-            out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
-        return out.logits_output.next_token_logits
 
     def _decode(self, batch: ScheduleBatch, on_publish: Callable | None) -> GenerationBatchResult:
         started = time.perf_counter()
@@ -371,8 +314,8 @@ class VeriCacheWorker(BaseSpecWorker):
         samplers = [plan.sampler for plan in plans]
         grammars = {i: req.grammar for i, req in enumerate(reqs) if req.grammar is not None and plans[i].drafts}
         masks = ChainMasks(grammars, width, self.model_runner.model_config.vocab_size, self.device)
-        if self.host is not None:
-            self.host.plan(reqs)
+        if self.offload is not None:
+            self.offload.plan(reqs)
         drafts = torch.zeros((bs, x), dtype=torch.int64, device=self.device)
         counts: dict[int, int] = {}  # batch index -> its drafts (the rest of its row is padding)
         draft_q: dict[int, list[torch.Tensor | None]] = {}  # ... and their distributions (rejection)
@@ -403,10 +346,7 @@ class VeriCacheWorker(BaseSpecWorker):
 
         def verify(rows: torch.Tensor) -> torch.Tensor:
             rows = rows.to(self.device)
-            fb = self.forwards.verify(batch, rows, chain[rows], committed[rows], slots[rows])
-            with self._using(self.verify_backend, fb):
-                out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
-            return out.logits_output.next_token_logits
+            return self.passes.verify(self.forwards.verify(batch, rows, chain[rows], committed[rows], slots[rows]))
 
         def decide(i: int, chain_logits: torch.Tensor) -> Verdict:
             k = counts.get(i, 0)
@@ -420,10 +360,10 @@ class VeriCacheWorker(BaseSpecWorker):
             )
 
         refreshing = self.compressor.refreshes and bool(drafting)
-        folded: dict[int, Verdict] = {}  # full_kv=host: decided and folded in while the reload was lent
+        folded: dict[int, Verdict] = {}  # offloaded: decided and folded in while the reload was lent
 
         def fold_while_lent(rows: list[int], group: torch.Tensor) -> None:
-            """Refresh reads a request's whole full KV, which with ``full_kv=host`` is on the device
+            """Refresh reads a request's whole full KV, which when offloaded is on the device
             only while its reload is lent to the verify pass: decide and fold its rows then."""
             group = group.view(len(rows), width, -1).float()
             for r, i in enumerate(rows):
@@ -440,13 +380,19 @@ class VeriCacheWorker(BaseSpecWorker):
         with self._capture.capturing() if refreshing else contextlib.nullcontext():
             flat = (
                 verify(torch.arange(bs))
-                if self.host is None
-                else self.host.verify(reqs, verify, width, fold_while_lent if refreshing else None)
+                if self.offload is None
+                else self.offload.verify(
+                    reqs,
+                    verify,
+                    width,
+                    fold_while_lent if refreshing else None,
+                    partial(self.passes.recompute, batch, committed),
+                )
             )
         logits = flat.view(bs, width, -1).float()
         masks.apply_chains(logits, done=folded)
         own_ids, own = (
-            self._own_tokens(batch, flat.view(bs, width, -1)[:, 0], slots)
+            self.passes.own_tokens(batch, flat.view(bs, width, -1)[:, 0], slots)
             if any(p.own for p in plans)
             else (None, None)
         )
@@ -466,7 +412,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 undrafted=len(verdicts) - len(accepted),
             )
             self.metrics.compressed_kv.set(self.draft_pool.nbytes())
-            self._count_host_bytes()
+            if self.offload is not None:
+                self.offload.count_into(self.metrics)
         batch.forward_mode = ForwardMode.DECODE
         if on_publish is not None:
             on_publish(packed.new_seq_lens)
@@ -479,16 +426,6 @@ class VeriCacheWorker(BaseSpecWorker):
             speculative_num_draft_tokens=width,
             can_run_cuda_graph=False,
         )
-
-    def _own_tokens(
-        self, batch: ScheduleBatch, seed_logits: torch.Tensor, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, LogitsProcessorOutput]:
-        """SGLang's own choice at every request's seed position: its sampler over the full-KV logits
-        there (penalties, logit_bias, min_p, grammar masks, its seeded draws, logprobs), as a stock
-        decode step, whose input token is the seed, makes it. Only "own" requests take it."""
-        fb = self.forwards.stock_decode(batch, batch.spec_info.seeds.to(self.device), slots[:, 0])
-        out = LogitsProcessorOutput(next_token_logits=seed_logits.clone())
-        return self.model_runner.sample(out, fb), out
 
     def _commit(
         self,
@@ -508,18 +445,13 @@ class VeriCacheWorker(BaseSpecWorker):
         request; the compressor refreshes each drafting request's rows from its committed tokens'."""
         for i, req in enumerate(batch.reqs):
             n = packed.verdicts[i].accepted + 1
-            full = None
             if self.draft_pool.has(req.rid) and i not in folded:
                 queries = self._capture.rows(i * captured_width, n) if captured_width else None
-                full = self._fold(req, int(committed[i]), slots[i, :n], queries)
+                self._fold(req, int(committed[i]), slots[i, :n], queries)
             if self.lookup is not None:
                 self.lookup.extend(req.rid, packed.verdicts[i].tokens)  # committed; the last is the next seed
-            if self.store is not None and self.store.writing(req.rid):
-                if full is None:
-                    full = read_full_kv(self.model_runner.token_to_kv_pool, slots[i, :n], self.layout)
-                self.store.extend(req.rid, chain[i, :n].tolist(), int(committed[i]), full)  # seed + accepted
-            if self.host is not None:
-                self.host.offload(req, int(committed[i]) + n)
+            if self.offload is not None:
+                self.offload.offload(req, int(committed[i]) + n, chain[i, :n].tolist())  # seed + accepted
 
     def _fold(self, req: Req, start: int, slots: torch.Tensor, queries: list[torch.Tensor] | None) -> FullKV:
         """Fold the exact K/V of ``req``'s tokens at ``slots`` (positions from ``start``) into its
@@ -540,13 +472,11 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.metrics is not None:
             getattr(self.metrics, name).inc()
 
-    def _count_host_bytes(self) -> None:
-        if self.host is None:
-            return
-        written, fetched = self.host.offloaded_bytes, self.host.reloaded_bytes
-        self.metrics.full_kv_written.inc(written - self._host_bytes_seen[0])
-        self.metrics.full_kv_fetched.inc(fetched - self._host_bytes_seen[1])
-        self._host_bytes_seen = (written, fetched)
+    def _store_error(self, error: BaseException) -> None:
+        from remote_store import refused
+
+        if self.metrics is not None:
+            self.metrics.store_error("refused" if refused(error) else "outage")
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         self._forget(rid)
@@ -560,5 +490,5 @@ class VeriCacheWorker(BaseSpecWorker):
             self.lookup.forget(rid)
         if self._capture is not None:
             self._capture.forget(rid)
-        if self.store is not None:
-            self.store.release(rid)
+        if self.offload is not None:
+            self.offload.forget(rid)

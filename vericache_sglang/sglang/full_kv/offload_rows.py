@@ -1,11 +1,11 @@
-"""Which row positions of each running request hold their KV in the host tier instead of device
-slots, and the reload arena verifications borrow device slots from.
+"""Which row positions of each running request hold their KV in a tier (the host pool, the store)
+instead of device slots, and the reload arena verifications borrow device slots from.
 
 SGLang keeps one ``req_to_token`` row per request, and its scheduler and radix tree free slots by
 reading that row. An offloaded request is barred from the radix tree (``skip_radix_cache_insert``),
 so every position from its ``cache_protected_len`` (the end of the prefix it matched, which the
 tree owns) is its own. ``RequestOffload.offload_through`` moves positions ``[start, end)`` to the
-host tier, frees their device slots and writes the pool's padding slot in their place: a stray read
+tier, frees their device slots and writes the pool's padding slot in their place: a stray read
 there returns padding, never another request's KV, and SGLang's allocators never hand the padding
 slot out. For a verification the caller reloads those positions into slots from a ``SlotArena``
 and ``lend``s them to the row, so the stock verify pass reads the row as usual; ``unlend`` puts
@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the radix cache imports this module at plugin registration:
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from vericache_sglang.sglang.full_kv.host_tier import HostFullKV
+    from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
 
 PAD_SLOT = 0  # SGLang's pools reserve slot 0 for padding; allocators start at 1
 
@@ -75,13 +76,15 @@ class SlotArena:
 class _Record:
     rid: str
     row: int  # req_to_token row (req_pool_idx)
-    start: int  # [start, end): positions whose KV is in the host tier
+    start: int  # [start, end): positions whose KV is in the tier
     end: int
     lent: torch.Tensor | None = None  # arena slots written over [start, end) for a verification
 
 
 class RequestOffload:
-    def __init__(self, tier: HostFullKV, req_to_token_pool: ReqToTokenPool, allocator: BaseTokenToKVPoolAllocator):
+    def __init__(
+        self, tier: HostFullKV | StoreFullKV, req_to_token_pool: ReqToTokenPool, allocator: BaseTokenToKVPoolAllocator
+    ):
         self.tier = tier
         self.req_to_token = req_to_token_pool.req_to_token
         self.allocator = allocator
@@ -91,7 +94,7 @@ class RequestOffload:
 
     def offload_through(self, rid: str, row: int, start: int, end: int) -> int:
         """Move ``rid``'s positions up to ``end`` (from ``start``, its first own position, on its first
-        call) to the host tier and free their device slots; returns the tokens moved now."""
+        call) to the tier and free their device slots; returns the tokens moved now."""
         rec = self._by_rid.get(rid)
         if rec is None:
             if row in self._by_row:
@@ -116,7 +119,7 @@ class RequestOffload:
         return moved
 
     def held(self, rid: str) -> tuple[int, int] | None:
-        """``(start, end)`` of ``rid``'s positions in the host tier, or None."""
+        """``(start, end)`` of ``rid``'s positions in the tier, or None."""
         rec = self._by_rid.get(rid)
         return None if rec is None else (rec.start, rec.end)
 
@@ -153,7 +156,7 @@ class RequestOffload:
         return out
 
     def release(self, rid: str) -> None:
-        """Forget ``rid`` (SGLang is freeing its row) and drop its host KV. Slots lent to it stay
+        """Forget ``rid`` (SGLang is freeing its row) and drop its KV in the tier. Slots lent to it stay
         the arena's: whoever planned its reload gives them back (``on_release`` listeners)."""
         rec = self._by_rid.pop(rid, None)
         if rec is None:

@@ -1,5 +1,8 @@
-"""``full_kv: "host"`` inside the worker: each request's full KV leaves the device after prefill and
-after every verification, and comes back, per layer, only for its verifications.
+"""The full KV off the device between verifications, inside the worker: each request's full KV
+leaves the device after prefill and after every verification, and comes back, per layer, only for
+its verifications. Where it lives is the *tier*: ``full_kv: "host"``, SGLang's host pool
+(``host_tier.HostFullKV``); ``full_kv: "store"``, the full-KV store only (``store_tier.StoreFullKV``:
+our gRPC store, Redis, LMCache), fetched while the draft passes run.
 
 One scheduler step of the worker is a run of *iterations* on the core scheduler's clock: the
 ``horizon`` draft passes (every request drafts in each), then verify passes, each over the group of
@@ -9,11 +12,18 @@ draft pass (``not_before``); its reload starts earlier, while drafting runs, on 
 memory rings. Groups verify one after another, so the device holds the full KV of the requests
 verifying next, not of the whole batch.
 
-Pieces: ``HostFullKV`` (host pool, transfer engine, layer counter), ``RequestOffload`` (which row
-positions live on the host; the vericache radix cache consults it when SGLang frees a row),
-``SlotArena`` (the reload room, taken from the scheduler's allocator while any request is
-offloaded and given back when none is, so SGLang's idle leak check holds) and ``StaggeredReloads``
-(the core scheduler's plan carried out).
+What can fail, and what happens (never an unverified token):
+
+- the tier does not take an offload (host pool full, store down or refusing): those positions stay
+  on the device (no saving for them, still exact), counted;
+- a reload does not deliver (store down, a record evicted, missing or corrupt): the worker
+  recomputes those positions from the request's committed tokens into the reload's slots, a
+  forward pass over them before the group's verify pass, counted.
+
+Pieces: the tier, ``RequestOffload`` (which row positions are off the device; the vericache radix
+cache consults it when SGLang frees a row), ``SlotArena`` (the reload room, taken from the
+scheduler's allocator while any request is offloaded and given back when none is, so SGLang's idle
+leak check holds) and ``StaggeredReloads`` (the core scheduler's plan carried out).
 
 Tested on CPU inside real SGLang servers (tests/sglang/test_sglang_e2e_modes.py: answers identical to
 stock SGLang, the device pool's peak usage below stock's) and piece by piece on SGLang's objects
@@ -29,19 +39,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from remote_store import StoreError
 from vericache_sglang.core.schedule import StaggeredScheduler
 from vericache_sglang.sglang.config import VeriCacheConfig
-from vericache_sglang.sglang.full_kv.host_reloads import StaggeredReloads
-from vericache_sglang.sglang.full_kv.host_rows import RequestOffload, SlotArena, register_offload
-from vericache_sglang.sglang.full_kv.host_tier import HostFullKV
+from vericache_sglang.sglang.full_kv.host_tier import HostFullKV, HostTierFull
+from vericache_sglang.sglang.full_kv.offload_rows import RequestOffload, SlotArena, register_offload
+from vericache_sglang.sglang.full_kv.reloads import StaggeredReloads
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
     from sglang.srt.model_executor.model_runner import ModelRunner
 
+    from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
+    from vericache_sglang.sglang.metrics import WorkerMetrics
+
 logger = logging.getLogger(__name__)
 LINK_PROBE_BYTES = 64 << 20
+# what an offload the tier did not take raises (nothing was recorded; the slots stay); anything
+# else is a bug and propagates
+NOT_TAKEN = (HostTierFull, StoreError)
+Recompute = Callable[[int, int, torch.Tensor], None]  # (batch index, first position, slots)
 
 
 def measure_link(device: torch.device | str) -> float:
@@ -60,24 +78,29 @@ def measure_link(device: torch.device | str) -> float:
     return LINK_PROBE_BYTES / max(time.perf_counter() - t0, 1e-9)
 
 
-class HostOffload:
+class FullKVOffload:
     def __init__(
         self,
         cfg: VeriCacheConfig,
         model_runner: ModelRunner,
         allocator: BaseTokenToKVPoolAllocator,
         on_release: Callable[[str], None],
+        tier: StoreFullKV | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
     ):
+        """``tier``: where the full KV goes (default: a host pool of ``cfg.host_pool_ratio`` times the
+        device pool); ``on_error``: told of each offload the tier did not take."""
         pool = model_runner.token_to_kv_pool
         if pool.page_size != 1:
-            raise ValueError("full_kv=host needs --page-size 1 (offloaded rows move token by token)")
+            raise ValueError(f"full_kv={cfg.full_kv} needs --page-size 1 (offloaded rows move token by token)")
         self.horizon = cfg.horizon
         self.allocator = allocator
         self.arena_slots = max(1, int(pool.size * cfg.reload_room))
-        self.tier = HostFullKV(pool, capacity_tokens=max(1, int(pool.size * cfg.host_pool_ratio)))
+        self.tier = tier or HostFullKV(pool, capacity_tokens=max(1, int(pool.size * cfg.host_pool_ratio)))
         self.ledger = RequestOffload(self.tier, model_runner.req_to_token_pool, allocator)
         self.ledger.on_release.append(self._released)
         self._on_release = on_release
+        self._on_error = on_error
         register_offload(allocator, self.ledger)
         if model_runner.token_to_kv_pool_allocator is not allocator:
             register_offload(model_runner.token_to_kv_pool_allocator, self.ledger)
@@ -91,6 +114,8 @@ class HostOffload:
         )
         self.offloaded_bytes = 0  # totals, for the worker's metrics
         self.reloaded_bytes = 0
+        self.recomputed = 0  # reloads the tier did not deliver, recomputed instead
+        self._counted = (0, 0, 0, 0, 0)  # what count_into has already added to the metrics
         self._verify_from = 0
         self._unplanned: list[str] = []
         self._planned: set[str] = set()
@@ -99,19 +124,44 @@ class HostOffload:
 
     # -- after prefill and after each verification --------------------------------------------
 
-    def offload(self, req: Req, through: int) -> int:
-        """Move ``req``'s own positions up to ``through`` to the host tier (at most what one
-        reload can bring back); returns tokens moved. A request the reload room cannot take stays
-        on the device (no saving for it, still exact)."""
+    def admit(self, req: Req, prompt_len: int) -> int:
+        """A prefilled request: the tier learns its prompt (and the radix-tree prefix it matched,
+        which stays on the device), then its own positions leave the device; returns tokens moved."""
+        start = int(req.kv.cache_protected_len)
+        row = self.ledger.req_to_token[int(req.kv.req_pool_idx)]
+        try:
+            apart = getattr(req, "cache_salt", None) is not None or getattr(req, "extra_key", None) is not None
+            self.tier.open(req.rid, list(req.origin_input_ids[:prompt_len]), row[:start].to(torch.int64), not apart)
+        except NOT_TAKEN as e:
+            self._not_taken(req.rid, e)
+            return 0
+        return self.offload(req, prompt_len)
+
+    def offload(self, req: Req, through: int, tokens: list[int] | None = None) -> int:
+        """Move ``req``'s own positions up to ``through`` off the device (at most what one reload
+        can bring back); ``tokens``: those committed since the last call. Returns tokens moved. A
+        request the reload room cannot take, or whose positions the tier does not take, stays on
+        the device (no saving for it, still exact)."""
+        if tokens:
+            self.tier.extend(req.rid, tokens)
         held = self.ledger.held(req.rid)
         start = int(req.kv.cache_protected_len) if held is None else held[0]
         end = min(through, start + self.arena_slots)
-        if end <= (start if held is None else held[1]) or not self._ensure_arena():
+        if end <= (start if held is None else held[1]) or not self.tier.accepts(req.rid) or not self._ensure_arena():
             return 0
         req.skip_radix_cache_insert = True  # its rows are no longer the tree's to take
-        moved = self.ledger.offload_through(req.rid, int(req.kv.req_pool_idx), start, end)
+        try:
+            moved = self.ledger.offload_through(req.rid, int(req.kv.req_pool_idx), start, end)
+        except NOT_TAKEN as e:
+            self._not_taken(req.rid, e)
+            return 0
         self.offloaded_bytes += moved * self.tier.bytes_per_token
         return moved
+
+    def _not_taken(self, rid: str, e: BaseException) -> None:
+        logger.warning("VeriCache: request %s's full KV stays on the device for now (%s)", rid, e)
+        if self._on_error is not None:
+            self._on_error(e)
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -157,13 +207,16 @@ class HostOffload:
         verify: Callable[[torch.Tensor], torch.Tensor],
         width: int,
         lent: Callable[[list[int], torch.Tensor], None] | None = None,
+        recompute: Recompute | None = None,
     ) -> torch.Tensor:
         """Run ``verify(batch_indices) -> logits [len * width, vocab]`` over groups: first the
         requests with nothing offloaded, then each group the scheduler placed, its reloads lent to
         its rows for the pass. Returns the logits of the whole batch, in batch order.
 
         ``lent(batch_indices, logits)``: called after each group's pass, its reloads still lent
-        (``+refresh`` reads the requests' whole full KV then)."""
+        (``+refresh`` reads the requests' whole full KV then). ``recompute(batch_index, start,
+        slots)``: computes a request's full KV of positions from ``start`` into its lent ``slots``
+        when the tier did not deliver it."""
         if self._unplanned and self.reloads is not None:
             self._admit_unplanned()  # a step with no timed pass yet (horizon 0 never happens)
         index = {req.rid: i for i, req in enumerate(reqs)}
@@ -192,9 +245,10 @@ class HostOffload:
             if group:
                 for r in group:
                     self.ledger.lend(r.rid, r.slots)
-                    self.reloaded_bytes += int(r.slots.numel()) * self.tier.bytes_per_token
                 self.reloads.before_verify(group)
                 try:
+                    for r in group:
+                        self._delivered(r.rid, index[r.rid], r.slots, recompute)
                     run([index[r.rid] for r in group])
                 finally:
                     for r in group:
@@ -204,9 +258,42 @@ class HostOffload:
             self.scheduler.tick()
         if pending:
             # never emit unverified tokens: the step fails and the scheduler aborts these requests
-            raise RuntimeError(f"full_kv=host: {len(pending)} verifications found no reload slot this step")
+            raise RuntimeError(f"full_kv offloaded: {len(pending)} verifications found no reload slot this step")
         assert out is not None
         return out
+
+    def _delivered(self, rid: str, i: int, slots: torch.Tensor, recompute: Recompute | None) -> None:
+        """``rid``'s reload is in ``slots``, or, where the tier did not deliver it, recomputed there."""
+        error = self.tier.failed(rid)
+        if error is None:
+            self.reloaded_bytes += int(slots.numel()) * self.tier.bytes_per_token
+            return
+        if recompute is None:
+            raise RuntimeError(f"request {rid}: its full KV was not delivered ({error}) and nothing recomputes it")
+        if self._on_error is not None:
+            self._on_error(error)
+        recompute(i, self.ledger.held(rid)[0], slots)
+        self.recomputed += 1
+
+    def count_into(self, metrics: WorkerMetrics) -> None:
+        """Add what moved since the last call to the worker's metrics."""
+        now = (
+            self.offloaded_bytes,
+            self.reloaded_bytes,
+            self.recomputed,
+            getattr(self.tier, "prefix_hits", 0),
+            getattr(self.tier, "prefix_tokens_loaded", 0),
+        )
+        counters = (
+            metrics.full_kv_written,
+            metrics.full_kv_fetched,
+            metrics.full_kv_recomputes,
+            metrics.store_prefix_hits,
+            metrics.store_prefix_tokens,
+        )
+        for counter, value, seen in zip(counters, now, self._counted, strict=True):
+            counter.inc(value - seen)
+        self._counted = now
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -216,10 +303,16 @@ class HostOffload:
         try:
             self.arena = SlotArena(self.allocator, self.arena_slots)
         except ValueError as e:
-            logger.warning("full_kv=host: no reload room now (%s); this request stays on the device", e)
+            logger.warning("VeriCache: no reload room now (%s); this request's full KV stays on the device", e)
             return False
         self.reloads = StaggeredReloads(self.tier, self.scheduler, self.arena)
         return True
+
+    def forget(self, rid: str) -> None:
+        """``rid`` finished or left: the tier drops what it holds for it, unless SGLang has yet to
+        free its row (the ledger's release does it then)."""
+        if rid not in self.ledger:
+            self.tier.release(rid)
 
     def _released(self, rid: str) -> None:
         """SGLang freed ``rid``'s row (finished, aborted or retracted)."""

@@ -1,16 +1,17 @@
 """When each offloaded request's full KV comes back to the device: the core's staggered scheduler
-over the host tier and a device allocator.
+over a tier (the host pool or the store) and a device allocator.
 
 Every decision is the core's ``StaggeredScheduler`` (link and memory rings, measured link and
 iteration times); this module carries it out on SGLang's objects: at the iteration a reservation's
-reload starts, device slots are taken from ``allocator`` and the host tier loads the request's full
-KV into them per layer; at its verify iteration the caller gets the slots and the producer to wait
+reload starts, device slots are taken from ``allocator`` and the tier loads the request's full KV
+into them per layer; at its verify iteration the caller gets the slots and the producer to wait
 on; after the verify pass, ``verified`` gives the slots back. Device slots for reloads exist only
 between a reload's start and its verification, so the device holds the full KV of the requests
 verifying soon, not of every running request.
 
-Runs inside real SGLang servers on CPU (``full_kv: "host"``, tests/sglang/test_sglang_e2e_modes.py) and on
-SGLang's pools in unit tests; on a GPU, where a reload overlaps the verify pass, unverified.
+Runs inside real SGLang servers on CPU (``full_kv`` "host" and "store",
+tests/sglang/test_sglang_e2e_modes.py) and on SGLang's pools in unit tests; on a GPU, where a
+reload overlaps the verify pass, unverified.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from vericache_sglang.core.schedule import Reservation, StaggeredScheduler
-from vericache_sglang.sglang.full_kv.host_tier import HostFullKV
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
-    from vericache_sglang.sglang.full_kv.host_rows import SlotArena
+    from vericache_sglang.sglang.full_kv.host_tier import HostFullKV
+    from vericache_sglang.sglang.full_kv.offload_rows import SlotArena
+    from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
 
 
 class ReloadRoomExhausted(RuntimeError):
@@ -44,7 +46,10 @@ class Reload:
 
 class StaggeredReloads:
     def __init__(
-        self, tier: HostFullKV, scheduler: StaggeredScheduler, allocator: SlotArena | BaseTokenToKVPoolAllocator
+        self,
+        tier: HostFullKV | StoreFullKV,
+        scheduler: StaggeredScheduler,
+        allocator: SlotArena | BaseTokenToKVPoolAllocator,
     ):
         self.tier = tier
         self.scheduler = scheduler
@@ -118,6 +123,7 @@ class StaggeredReloads:
         """``rid`` left (finished or aborted): drop its plan and any device slots it holds."""
         reload = self.inflight.pop(rid, None)
         if reload is not None:
+            self.tier.wait_loaded(reload.producer)  # nothing may still be writing into the slots
             self.allocator.free(reload.slots)
         self.scheduler.cancel(rid)
 

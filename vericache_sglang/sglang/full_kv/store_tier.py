@@ -1,0 +1,233 @@
+"""Offloaded requests' full KV in the full-KV store only (``full_kv: "store"``), fetched per layer
+into device slots for each verification while the draft passes run.
+
+The tier the worker's offload (``offload.FullKVOffload``) drives, beside the host pool
+(``host_tier.HostFullKV``), with the same calls:
+
+- ``open`` a request after its prefill: its prompt's tokens name its store records (content-keyed
+  chunks, ``vericache_sglang.full_kv.store``); the prefix the radix tree already holds on the
+  device is written too, so every whole prompt chunk is in the store for any server to find.
+- ``offload`` the request's own positions (the prompt after prefill, committed tokens after each
+  verification): read from the device pool, written to the store; only then are their device
+  slots freed by the caller. A write that fails raises, and the caller keeps those slots.
+- ``reload`` starts fetching a request's positions, layer by layer, on a fetch thread, straight
+  into the device slots of the reload arena: the store's reads overlap the draft passes that run on
+  the scheduler's thread meanwhile (they read the private draft pool, never these slots).
+  ``consume`` waits for it before the verify pass; a fetch that failed (store down, record missing,
+  evicted or corrupt: every record is checked against its key, model layout and tokens) is
+  ``failed``, and the caller recomputes those positions from the committed tokens instead.
+
+On CPU the fetch lands in the pool whole before the pass; on a GPU the per-layer overlap of the
+fetch with the verify pass (HiCache's ``LayerDoneCounter``, as the host tier does) is not wired:
+unverified, no GPU with sglang here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from remote_store import StoreError
+from remote_store.codec import ChunkError
+from vericache_sglang.sglang.pool_kv import read_full_kv, write_layer
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from vericache_sglang.full_kv.store import FullKVStore, RequestKV
+
+logger = logging.getLogger(__name__)
+
+
+class StoreFullKV:
+    def __init__(self, device_pool: MHATokenToKVPool, store: FullKVStore):
+        self.device_pool = device_pool
+        self.store = store
+        self.layout = store.layout
+        self.bytes_per_token = store.layout.bytes_per_token
+        self._handles: dict[str, RequestKV] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # rid -> positions [start, end) offloaded to the store
+        # One fetch thread: fetches run one after another, as the staggered plan orders them on the link.
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-fetch")
+        self._jobs: dict[str, Future] = {}  # rid -> its latest fetch
+        self._loads: dict[int, list[str]] = {}  # producer -> the requests it fetches
+        self._next_producer = 0
+        self.prefix_hits = 0  # prompts whose prefix was loaded from the store instead of computed
+        self.prefix_tokens_loaded = 0
+        self.prefix_errors = 0
+
+    # -- what is held ----------------------------------------------------------------------------
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._spans
+
+    def num_tokens(self, rid: str) -> int:
+        start, end = self._span(rid)
+        return end - start
+
+    def nbytes(self, rid: str) -> int:
+        return self.num_tokens(rid) * self.bytes_per_token
+
+    def available_tokens(self) -> int:
+        return 1 << 62  # the store's own capacity and eviction decide; a lost record is recomputed
+
+    # -- device to store -------------------------------------------------------------------------
+
+    def open(self, rid: str, tokens: Sequence[int], prefix_slots: torch.Tensor, shared: bool = True) -> None:
+        """A prefilled request of prompt ``tokens``; ``prefix_slots``: the device slots of the prefix
+        it matched in the radix tree (stays there; written to the store for other servers).
+        ``shared=False`` (a request SGLang keeps apart: cache salt, adapter): its records are its own."""
+        self.release(rid)  # a retracted request prefilling again starts over
+        handle = self.store.open_request(tokens, request_id=rid, shared=shared)
+        n = int(prefix_slots.numel())
+        try:
+            if n:
+                handle.write(0, read_full_kv(self.device_pool, prefix_slots, self.layout).layers)
+        except BaseException:
+            handle.release()
+            raise
+        self._handles[rid] = handle
+        self._spans[rid] = (n, n)
+
+    def extend(self, rid: str, tokens: Sequence[int]) -> None:
+        """``tokens`` were committed after the request's known ones (their KV is offloaded next)."""
+        handle = self._handles.get(rid)
+        if handle is not None:
+            handle.extend_tokens(tokens)
+
+    def accepts(self, rid: str) -> bool:
+        """Whether ``rid``'s positions can be offloaded: it was opened (its tokens name its records)."""
+        return rid in self._handles
+
+    def offload(self, rid: str, device_slots: torch.Tensor) -> None:
+        """Write the KV at ``device_slots`` (the request's next positions, in order) to the store;
+        raises (StoreError, or ValueError for positions whose tokens are not known) without
+        recording anything when the store does not take it."""
+        handle = self._handles.get(rid)
+        if handle is None:
+            raise KeyError(f"request {rid} was not opened in the store tier")
+        start, end = self._spans[rid]
+        if handle.stored != end:
+            raise RuntimeError(f"request {rid}: the store holds [0, {handle.stored}), the tier expected {end}")
+        full = read_full_kv(self.device_pool, device_slots, self.layout)
+        handle.write(end, full.layers)
+        self._spans[rid] = (start, end + full.num_tokens)
+
+    @staticmethod
+    def wait_offloaded(done: None) -> None:
+        return None  # ``offload`` returns once the store has the records
+
+    # -- store to device -------------------------------------------------------------------------
+
+    def reload(self, targets: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Start fetching each ``(rid, device_slots)`` request's offloaded positions into
+        ``device_slots`` on the fetch thread; returns the producer to ``consume`` before the pass."""
+        if not targets:
+            raise ValueError("nothing to reload")
+        for rid, slots in targets:
+            start, end = self._span(rid)
+            if slots.numel() != end - start:
+                raise ValueError(f"request {rid}: {slots.numel()} device slots for {end - start} offloaded tokens")
+        for rid, slots in targets:
+            start, end = self._spans[rid]
+            self._jobs[rid] = self._fetcher.submit(self._fetch, self._handles[rid], start, end, slots)
+        producer = self._next_producer
+        self._next_producer += 1
+        self._loads[producer] = [rid for rid, _ in targets]
+        return producer
+
+    def _fetch(self, handle: RequestKV, start: int, end: int, slots: torch.Tensor) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for layer, k, v in handle.fetch_layers(upto=end, start=start):
+            write_layer(self.device_pool, slots, layer, k, v)
+        return handle.stats.last_fetch_bytes, time.perf_counter() - t0
+
+    def consume(self, producer: int) -> None:
+        """Wait for every fetch of ``producer`` (a failed one is ``failed``, not raised)."""
+        self.wait_loaded(producer)
+
+    def wait_loaded(self, producer: int) -> None:
+        for rid in self._loads.get(producer, ()):
+            job = self._jobs.get(rid)
+            if job is not None:
+                job.exception()  # waits; the outcome stays on the future
+
+    def failed(self, rid: str) -> BaseException | None:
+        """Why ``rid``'s latest fetch did not deliver its full KV (waiting for it), or None if it did."""
+        job = self._jobs.get(rid)
+        if job is None:
+            raise KeyError(f"request {rid} has no fetch")
+        error = job.exception()
+        if error is not None:
+            logger.warning("VeriCache: fetching request %s's full KV from the store failed: %s", rid, error)
+        return error
+
+    def link_sample(self, producer: int) -> tuple[int, float] | None:
+        """``(bytes, seconds)`` of ``producer``'s fetches once all have succeeded (for the scheduler)."""
+        jobs = [self._jobs.get(rid) for rid in self._loads.get(producer, ())]
+        if any(j is not None and not j.done() for j in jobs):
+            return None
+        self._loads.pop(producer, None)
+        if not jobs or any(j is None or j.exception() is not None for j in jobs):
+            return None
+        results = [j.result() for j in jobs]
+        return sum(b for b, _ in results), sum(s for _, s in results)
+
+    def done(self) -> None:
+        return None  # nothing waits per layer after the pass
+
+    # -- prefixes other requests (or servers) wrote ---------------------------------------------
+
+    def stored_prefix(self, tokens: Sequence[int], have: int) -> int:
+        """How many leading tokens of ``tokens`` the store holds in shared whole chunks, when that
+        is more than the ``have`` the caller holds (else, or when the store fails, ``have``)."""
+        if len(tokens) - have < self.store.chunk_tokens:
+            return have
+        try:
+            return max(have, self.store.longest_prefix(tokens, start=have))
+        except StoreError as e:
+            logger.warning("VeriCache: the store could not be asked for a prefix (%s)", e)
+            self.prefix_errors += 1
+            return have
+
+    def load_prefix(self, tokens: Sequence[int], have: int, n: int, slots: torch.Tensor) -> bool:
+        """Load the stored KV of positions ``[have, n)`` of ``tokens`` into device ``slots``; False
+        when the store fails or a record is missing or bad (every record is checked)."""
+        try:
+            kv = self.store.load_prefix(tokens, n, start=have)
+        except (StoreError, ChunkError) as e:
+            logger.warning("VeriCache: a stored prefix could not be loaded, computing it instead (%s)", e)
+            self.prefix_errors += 1
+            return False
+        for layer, (k, v) in enumerate(kv.layers):
+            write_layer(self.device_pool, slots, layer, k, v)
+        self.prefix_hits += 1
+        self.prefix_tokens_loaded += n - have
+        return True
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def release(self, rid: str) -> None:
+        """``rid`` left: unpin its records, delete its private ones (shared prompt chunks stay
+        cached for other requests and servers)."""
+        self._spans.pop(rid, None)
+        job = self._jobs.pop(rid, None)
+        if job is not None:
+            job.exception()  # a fetch still writing into slots must end before they are reused
+        handle = self._handles.pop(rid, None)
+        if handle is not None:
+            handle.release()  # best effort; a store that is down retries it later
+
+    def close(self) -> None:
+        self._fetcher.shutdown(wait=True)
+
+    def _span(self, rid: str) -> tuple[int, int]:
+        span = self._spans.get(rid)
+        if span is None:
+            raise KeyError(f"request {rid} has no full KV in the store tier")
+        return span
