@@ -161,6 +161,20 @@ def vericache_launch(sglang_logs):
 
 
 @pytest.fixture(scope="session")
+def store_mode_launch(sglang_logs, store_url):
+    """The default set's ``full_kv: "store"`` server (``sglang_e2e.store_mode_config``), launched
+    beside stock without waiting for it; its user waits and stops it."""
+    pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
+    from sglang_e2e import store_mode_config
+
+    from vericache_sglang.bench.sglang_server import SGLangServer
+
+    server = SGLangServer(sglang_logs, "snapkv-store-grpc", vericache=store_mode_config(store_url), wait=False)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def stock_server(request, sglang_logs):
     """Stock SGLang 0.5.23 on this CPU (no plugin flag): the reference every VeriCache server is held to.
 
@@ -172,8 +186,9 @@ def stock_server(request, sglang_logs):
     pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
     from vericache_sglang.bench.sglang_server import SGLangServer
 
-    if _session_uses(request.session, "vericache_launch"):
-        request.getfixturevalue("vericache_launch")  # loads beside stock: the two starts overlap
+    for launch in ("vericache_launch", "store_mode_launch"):  # loaded beside stock: the starts overlap
+        if _session_uses(request.session, launch):
+            request.getfixturevalue(launch)
     server = SGLangServer(sglang_logs, "stock", *SGLANG_TEST_FLAGS, "--disable-overlap-schedule")
     yield server
     server.stop()

@@ -22,6 +22,18 @@ PERSON = {
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
 
+def store_mode_config(store_url: str) -> dict:
+    """The default set's ``full_kv: "store"`` server (``conftest.store_mode_launch``): SnapKV at 1/8,
+    the plain draft loop, each request's full KV only in our gRPC store between verifications."""
+    return {
+        "compressor": "snapkv:ratio=0.125",
+        "horizon": 8,
+        "full_kv": "store",
+        "store": store_url,
+        "reload_room": 0.2,
+    }
+
+
 def same_as_stock(
     stock: Any, server: Any, questions: list[Ask], exactness: Any, name: str
 ) -> tuple[list[Answer], list[Answer]]:

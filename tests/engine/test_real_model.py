@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PROMPTS
 
 from vericache_sglang.bench.acceptance import Trajectory, replay
 from vericache_sglang.core.compress import RECOMMENDED, parse_spec
@@ -110,11 +109,15 @@ def vericache_cli(*args, timeout=600):
     )
 
 
-def test_cli_json_check():
+def test_cli_json_check(tmp_path):
+    from vericache_sglang.bench.sglang_server import document_prompt
+
+    text = tmp_path / "prompt.txt"
+    text.write_text(document_prompt("prose", 640))
     done = vericache_cli(
         "generate",
         "--prompt-file",
-        str(PROMPTS / "prose.txt"),
+        str(text),
         "--max-new-tokens",
         "12",
         "--compressor",

@@ -60,6 +60,12 @@ def from_cli_args_hook(result: ServerArgs, *args: Any, **kwargs: Any) -> ServerA
         return result
     cfg = VeriCacheConfig.parse(raw)
     apply_implied_flags(result, cfg)
+    if cfg.full_kv == "store" and not cfg.store.startswith("memory://"):
+        # a store the server cannot use fails the launch here, in seconds, naming it and why,
+        # before any scheduler loads the model (each scheduler connects again for itself)
+        from remote_store import connect_store
+
+        connect_store(cfg.store).close()
     setattr(result, ATTR, cfg)
     return result
 
