@@ -114,7 +114,7 @@ class SGLangServer:
         if self._healthy:
             return
         deadline = self._started + timeout
-        while time.monotonic() < deadline:
+        while True:  # asked at least once: a server launched long before may be up by now
             if self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang server {self.name} exited ({self.proc.returncode}):\n{self.log_tail()}")
             try:
@@ -123,6 +123,8 @@ class SGLangServer:
                     return
             except httpx.HTTPError:
                 pass
+            if time.monotonic() >= deadline:
+                break
             time.sleep(1)
         self.stop()
         raise RuntimeError(f"SGLang server {self.name} not healthy after {timeout:.0f} s:\n{self.log_tail()}")
