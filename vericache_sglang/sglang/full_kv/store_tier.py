@@ -106,8 +106,7 @@ class StoreFullKV:
 
     def offload(self, rid: str, device_slots: torch.Tensor) -> None:
         """Write the KV at ``device_slots`` (the request's next positions, in order) to the store;
-        raises (StoreError, or ValueError for positions whose tokens are not known) without
-        recording anything when the store does not take it."""
+        raises StoreError without recording anything when the store does not take it."""
         handle = self._handles.get(rid)
         if handle is None:
             raise KeyError(f"request {rid} was not opened in the store tier")
