@@ -7,4 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 ./scripts/setup_lmcache.sh  # LMCache 0.5.6 in .venv-lmcache: without it its tests would skip
+# OpenMP workers that spin while they wait starve another process's (an SGLang server beside
+# stock, a CLI beside the engine) on two cores; passive waiting costs nothing alone
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 exec .venv/bin/python -m pytest "$@"

@@ -59,8 +59,9 @@ def test_chat_over_a_registered_document_is_identical_to_full_kv(client, real_en
     chunk = real_engine.store.chunk_tokens
     assert doc["tokens"] == doc["submitted_tokens"] - doc["submitted_tokens"] % chunk > 0
     assert doc["compressor"].startswith("kvzip")
-    for q in QUESTIONS:
+    for i, q in enumerate(QUESTIONS):
         messages = [{"role": "system", "content": document}, {"role": "user", "content": q}]
+        # the server's own check once: the test's reference below decodes the same full KV
         r = client.post(
             "/v1/chat/completions",
             json={
@@ -68,7 +69,7 @@ def test_chat_over_a_registered_document_is_identical_to_full_kv(client, real_en
                 "max_tokens": NEW,
                 "temperature": 0,
                 "logprobs": True,
-                "vericache": {"check": True},
+                "vericache": {"check": i == 0},
             },
         )
         assert r.status_code == 200, r.text
@@ -97,13 +98,14 @@ def test_chat_over_a_registered_document_is_identical_to_full_kv(client, real_en
             mean_accepted_length=v["mean_accepted_length"],
         )
         assert identical, (body["choices"][0]["message"]["content"], ref.text)
-        check = v["check"]  # the server's own comparison agrees
-        assert check["identical"] and check["compared_tokens"] == NEW and check["max_logit_abs_diff"] < 1e-3
+        if i == 0:
+            check = v["check"]  # the server's own comparison agrees
+            assert check["identical"] and check["compared_tokens"] == NEW and check["max_logit_abs_diff"] < 1e-3
     listed = client.get("/v1/prefixes").json()["data"]
     assert [(d["name"], d["hits"]) for d in listed] == [("prose", 2)]
     metrics = client.get("/metrics").text
     assert "vericache_prefix_hits_total 2.0" in metrics and "vericache_documents 1.0" in metrics
-    assert 'vericache_checks_total{result="identical"} 2.0' in metrics
+    assert 'vericache_checks_total{result="identical"} 1.0' in metrics
     # a request that names its own compressor is prefilled as usual
     messages = [{"role": "system", "content": document}, {"role": "user", "content": QUESTIONS[0]}]
     r = client.post(
