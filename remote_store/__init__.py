@@ -19,7 +19,7 @@ __all__ = [
     "refused",
 ]
 
-SCHEMES = ("memory", "redis", "rediss", "grpc", "grpcs", "lmcache")
+SCHEMES = ("memory", "redis", "rediss", "redis-cluster", "rediss-cluster", "grpc", "grpcs", "lmcache")
 # Link-emulator parameters, accepted on any URL and stripped before the backend sees it.
 LINK_PARAMS = ("link_ratio", "link_gbps", "link_latency_us")
 
@@ -28,7 +28,8 @@ def open_store(url: str, memory_bandwidth: Callable[[], float] | None = None) ->
     """Open a byte store by URL.
 
     ``memory://[?capacity_bytes=N&pin_ttl_s=S]`` (embedded, the default; capacity a quarter of the
-    host's memory unless named, 0 for none; pins are leases of ``pin_ttl_s``), ``redis[s]://...``, ``grpc[s]://...``
+    host's memory unless named, 0 for none; pins are leases of ``pin_ttl_s``), ``redis[s]://...``,
+    ``redis[s]-cluster://...`` (a Redis Cluster, through any one node), ``grpc[s]://...``
     (our store server), ``lmcache://[:TOKEN@]HOST:PORT`` (the LMCache sidecar, which speaks our store
     protocol: ``remote_store.lmcache_sidecar``). Any URL may add
     ``link_ratio=R`` (a link R times slower than ``memory_bandwidth()``, the engine's measured
@@ -47,7 +48,7 @@ def open_store(url: str, memory_bandwidth: Callable[[], float] | None = None) ->
             raise ValueError(f"memory:// takes capacity_bytes and pin_ttl_s, not {', '.join(sorted(unknown))}")
         capacity = int(query.get("capacity_bytes", default_capacity_bytes()))  # 0: unbounded
         store: ByteStore = MemoryStore(capacity, url=bare, pin_ttl_s=float(query.get("pin_ttl_s", DEFAULT_PIN_TTL_S)))
-    elif parts.scheme in ("redis", "rediss"):
+    elif parts.scheme in ("redis", "rediss", "redis-cluster", "rediss-cluster"):
         from remote_store.backends.redis import RedisStore
 
         store = RedisStore(bare)

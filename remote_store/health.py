@@ -1,7 +1,8 @@
 """Is a service up? ``python -m remote_store.health URL [URL ...]`` exits 0 when every one answers.
 
 ``http(s)://HOST:PORT`` (a VeriCache server: ``GET /health``), ``grpc(s)://`` and ``lmcache://``
-(our store server and the LMCache sidecar: the standard gRPC health check), ``redis://`` (PING).
+(our store server and the LMCache sidecar: the standard gRPC health check), ``redis://`` (PING),
+``redis-cluster://`` (the cluster's state is ok).
 Used by docker-compose.yml's health checks and by ``deploy/cluster.py``, which runs the same
 topology without Docker.
 """
@@ -40,8 +41,17 @@ def probe(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         import redis
 
         redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s).ping()
+    elif parts.scheme in ("redis-cluster", "rediss-cluster"):
+        import redis
+
+        target = url.replace("-cluster://", "://", 1)
+        cluster = redis.RedisCluster.from_url(target, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        if cluster.cluster_info().get("cluster_state") != "ok":
+            raise RuntimeError(f"{url}: cluster state is not ok")
     else:
-        raise ValueError(f"cannot probe {url!r}: expected http(s)://, grpc(s)://, lmcache:// or redis://")
+        raise ValueError(
+            f"cannot probe {url!r}: expected http(s)://, grpc(s)://, lmcache://, redis:// or redis-cluster://"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

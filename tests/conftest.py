@@ -92,6 +92,18 @@ def redis_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory):
+    """A real Redis Cluster of three primaries, started for this session (``services.RedisCluster``)."""
+    from services import RedisCluster, redis_available
+
+    if not redis_available():
+        pytest.skip("redis-server is not installed (CI installs it; see .ci/run)")
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster.url
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
 def store_url(tmp_path_factory):
     """Our gRPC store server: CI's (VERICACHE_TEST_STORE_URL) or one started for this session."""
     from services import StoreServer, env_url
@@ -121,12 +133,18 @@ def lmcache_url(tmp_path_factory, redis_url):
     sidecar.stop()
 
 
-@pytest.fixture(params=["memory", "redis", "grpc", "lmcache"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster", "grpc", "lmcache"])
 def backend_url(request):
     """Each backend in turn, as a store URL."""
     if request.param == "memory":
         return "memory://"
-    return request.getfixturevalue({"redis": "redis_url", "grpc": "store_url", "lmcache": "lmcache_url"}[request.param])
+    fixture = {
+        "redis": "redis_url",
+        "redis-cluster": "redis_cluster_url",
+        "grpc": "store_url",
+        "lmcache": "lmcache_url",
+    }
+    return request.getfixturevalue(fixture[request.param])
 
 
 # on every SGLang server of the tests, stock and VeriCache alike: SGLang's own tool-call parsing

@@ -110,6 +110,63 @@ class RedisServer:
         self.start()
 
 
+class RedisCluster:
+    """A real Redis Cluster on loopback: ``nodes`` redis-server processes in cluster mode, their
+    slots assigned by ``redis-cli --cluster create`` (primaries only)."""
+
+    def __init__(self, tmp: Path, nodes: int = 3):
+        self.ports = [free_port() for _ in range(nodes)]
+        self.procs: list[subprocess.Popen] = []
+        for port in self.ports:  # the cluster bus on a port of its own, not PORT+10000 (past 65535 here)
+            d = tmp / str(port)
+            d.mkdir(parents=True, exist_ok=True)
+            args = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+            args += ["--dir", str(d), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            args += ["--cluster-port", str(free_port())]
+            # a cache: the nodes left keep serving their slots when one goes down
+            args += ["--maxmemory-policy", "volatile-lru", "--cluster-require-full-coverage", "no"]
+            self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for port in self.ports:
+            _wait_ping(redis.Redis(port=port, socket_timeout=1), f"redis-server --cluster-enabled on {port}")
+        create = ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
+        done = subprocess.run([*create, "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True)
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-500:]}{done.stderr[-500:]}")
+        deadline = time.monotonic() + 30
+        while any(redis.Redis(port=p).cluster("info").get("cluster_state") != "ok" for p in self.ports):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the Redis Cluster did not reach state ok")
+            time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        return f"redis-cluster://127.0.0.1:{self.ports[0]}"
+
+    def kill(self, i: int) -> None:
+        self.procs[i].kill()
+        self.procs[i].wait(10)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+
+
+def _wait_ping(client: redis.Redis, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start") from None
+            time.sleep(0.05)
+
+
 class StoreServer:
     """``python -m remote_store.server`` in a subprocess."""
 

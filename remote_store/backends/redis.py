@@ -1,7 +1,14 @@
-"""``redis://`` and ``rediss://``: records in a real Redis server, pipelined.
+"""``redis://`` and ``rediss://``: records in a real Redis server, pipelined; ``redis-cluster://``
+and ``rediss-cluster://``: the same records sharded over a Redis Cluster by its own hash slots.
 
 URL: ``redis[s]://[:PASSWORD@]HOST:PORT[/DB][?default_ttl_s=S&timeout_s=T&ssl_ca_certs=F...]``
-(auth and TLS are redis-py's own URL options).
+(auth and TLS are redis-py's own URL options); ``redis[s]-cluster://[:PASSWORD@]HOST:PORT[?...]``
+names any one node of a cluster (redis-py's cluster client finds the others and the slot map).
+
+In a cluster, each batch is split by the node that owns each key and pipelined to each node; a
+record's pin counter is ``pin:{KEY}``, so it hashes to the record's slot and the pin scripts run
+on one node. A batch that meets a slot moving (MOVED, ASK) fails as a store error, as an
+unreachable node does; the client reloads the slot map for the next batch.
 
 Eviction and pins: run Redis with ``maxmemory-policy volatile-lru``, so only records with a TTL can
 be evicted. Every record is written with a TTL (its own, or ``default_ttl_s`` for shared prefix
@@ -12,10 +19,12 @@ persistent until they are deleted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from remote_store.backends.base import ByteStore, RangeRequest, StoreConfigError, StoreError
 
@@ -64,23 +73,34 @@ def _refused(e: redis.RedisError) -> bool:
 
 
 def _pin_key(key: str) -> str:
-    return f"pin:{key}"
+    return f"pin:{{{key}}}"  # a hash tag: the counter lives in its record's cluster slot
 
 
 class RedisStore(ByteStore):
     def __init__(self, url: str):
         parts = urlsplit(url)
+        self.cluster = parts.scheme.endswith("-cluster")
+        parts = parts._replace(scheme=parts.scheme.removesuffix("-cluster"))
         query = dict(parse_qsl(parts.query))
         own = {k: query.pop(k) for k in _OWN_PARAMS if k in query}
         self.url = urlunsplit(parts._replace(query=urlencode(query), netloc=parts.netloc.rpartition("@")[2]))
+        if self.cluster:
+            self.url = self.url.replace("://", "-cluster://", 1)
+            if parts.path.strip("/") not in ("", "0"):
+                raise StoreConfigError(f"a Redis Cluster has one database (0), not {parts.path.strip('/')}")
         self.default_ttl_ms = int(float(own.get("default_ttl_s", 86400)) * 1000)
         timeout = float(own.get("timeout_s", 10))
-        self.client = redis.Redis.from_url(
-            urlunsplit(parts._replace(query=urlencode(query))),
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            health_check_interval=30,
-        )
+        options = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+        target = urlunsplit(parts._replace(query=urlencode(query), path=""))
+        if self.cluster:
+            try:
+                self.client = redis.RedisCluster.from_url(target, **options)
+            except (redis.RedisError, RedisClusterException) as e:  # the slot map is read at once
+                kind = StoreConfigError if isinstance(e, redis.RedisError) and _refused(e) else StoreError
+                raise kind(f"redis cluster at {self.url}: {e}") from e
+        else:
+            target = urlunsplit(parts._replace(query=urlencode(query)))
+            self.client = redis.Redis.from_url(target, health_check_interval=30, **options)
         self._put = self.client.register_script(_PUT)
         self._pin = self.client.register_script(_PIN)
         self._unpin = self.client.register_script(_UNPIN)
@@ -88,77 +108,112 @@ class RedisStore(ByteStore):
     def _call(self, what: str, fn):
         try:
             return fn()
-        except redis.RedisError as e:
-            kind = StoreConfigError if _refused(e) else StoreError
+        except (redis.RedisError, RedisClusterException) as e:
+            if self.cluster:  # a slot moved or a node went away: the next batch reads the map again
+                with contextlib.suppress(redis.RedisError, RedisClusterException):
+                    self.client.nodes_manager.initialize()
+            kind = StoreConfigError if isinstance(e, redis.RedisError) and _refused(e) else StoreError
             raise kind(f"redis {what} failed at {self.url}: {e}") from e
+
+    def _by_node(self, keys: Sequence[str]) -> list[tuple[redis.Redis, list[int]]]:
+        """The positions of ``keys`` grouped by the Redis server that holds them (one without a cluster)."""
+        if not self.cluster:
+            return [(self.client, list(range(len(keys))))]
+        groups: dict[str, tuple[redis.Redis, list[int]]] = {}
+        for i, key in enumerate(keys):
+            node = self.client.get_node_from_key(key)
+            groups.setdefault(node.name, (node.redis_connection, []))[1].append(i)
+        return list(groups.values())
 
     def _ttl_ms(self, ttl_s: float | None) -> int:
         return self.default_ttl_ms if ttl_s is None else max(1, int(ttl_s * 1000))
+
+    def _pipelined(self, keys: Sequence[str], queue: Callable[[redis.client.Pipeline, list[int]], None]) -> list:
+        """``queue(pipe, positions)`` the commands for those keys on each node's pipeline; the
+        replies of every node, in the order of ``keys``' positions as each queued them."""
+        replies: list = []
+        for client, positions in self._by_node(keys):
+            pipe = client.pipeline(transaction=False)
+            queue(pipe, positions)
+            replies.append((positions, pipe.execute()))
+        return replies
+
+    def _each(self, keys: Sequence[str], command: Callable[[redis.client.Pipeline, str], object]) -> list:
+        """One pipelined ``command(pipe, key)`` per key; the replies in the order of ``keys``."""
+        out: list = [None] * len(keys)
+        queue = lambda pipe, positions: [command(pipe, keys[i]) for i in positions]
+        for positions, replies in self._pipelined(keys, queue):
+            for i, reply in zip(positions, replies, strict=True):
+                out[i] = reply
+        return out
 
     def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: float | None = None) -> None:
         ttl = self._ttl_ms(ttl_s)
 
         def run() -> None:
-            pipe, size = self.client.pipeline(transaction=False), 0
-            for key, value in items:
-                self._put(keys=[key, _pin_key(key)], args=[value, ttl], client=pipe)
-                size += len(value)
-                if size >= _BATCH_BYTES:
-                    pipe.execute()
-                    pipe, size = self.client.pipeline(transaction=False), 0
-            pipe.execute()
+            for client, positions in self._by_node([key for key, _ in items]):
+                pipe, size = client.pipeline(transaction=False), 0
+                for i in positions:
+                    key, value = items[i]
+                    self._put(keys=[key, _pin_key(key)], args=[value, ttl], client=pipe)
+                    size += len(value)
+                    if size >= _BATCH_BYTES:
+                        pipe.execute()
+                        pipe, size = client.pipeline(transaction=False), 0
+                pipe.execute()
 
         self._call("put", run)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        return self._call("get", lambda: self.client.mget(list(keys)))
+        if not self.cluster:
+            return self._call("get", lambda: self.client.mget(list(keys)))
+
+        return self._call("get", lambda: self._each(keys, lambda pipe, key: pipe.get(key)))
 
     def get_ranges(self, requests: Sequence[RangeRequest]) -> list[list[bytes] | None]:
-        def run() -> list[list[bytes] | None]:
-            pipe = self.client.pipeline(transaction=False)
-            for key, ranges in requests:
+        def queue(pipe, positions: list[int]) -> None:
+            for i in positions:
+                key, ranges = requests[i]
                 pipe.exists(key)
                 for offset, length in ranges:
                     pipe.getrange(key, offset, offset + length - 1)
-            replies = iter(pipe.execute())
-            out: list[list[bytes] | None] = []
-            for _, ranges in requests:
-                found = next(replies)
-                parts = [next(replies) for _ in ranges]
-                out.append(parts if found else None)
+
+        def run() -> list[list[bytes] | None]:
+            out: list[list[bytes] | None] = [None] * len(requests)
+            for positions, values in self._pipelined([key for key, _ in requests], queue):
+                replies = iter(values)
+                for i in positions:
+                    found = next(replies)
+                    parts = [next(replies) for _ in requests[i][1]]
+                    out[i] = parts if found else None
             return out
 
         return self._call("get", run) if requests else []
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        def run() -> list[bool]:
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(key)
-            return [bool(n) for n in pipe.execute()]
-
+        run = lambda: [bool(n) for n in self._each(keys, lambda pipe, key: pipe.exists(key))]
         return self._call("exists", run) if keys else []
 
     def delete_many(self, keys: Sequence[str]) -> int:
+        def queue(pipe, positions: list[int]) -> None:
+            for i in positions:  # one key a command: a cluster pipeline takes no multi-key DEL
+                pipe.delete(keys[i])
+                pipe.delete(_pin_key(keys[i]))
+
         def run() -> int:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.delete(*keys)
-            pipe.delete(*map(_pin_key, keys))
-            return pipe.execute()[0]
+            return sum(sum(replies[::2]) for _, replies in self._pipelined(keys, queue))
 
         return self._call("delete", run) if keys else 0
 
     def _scripted(self, what: str, script, keys: Sequence[str]) -> None:
-        def run() -> None:
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                script(keys=[key, _pin_key(key)], args=[self.default_ttl_ms], client=pipe)
-            pipe.execute()
+        def queue(pipe, positions: list[int]) -> None:
+            for i in positions:
+                script(keys=[keys[i], _pin_key(keys[i])], args=[self.default_ttl_ms], client=pipe)
 
         if keys:
-            self._call(what, run)
+            self._call(what, lambda: self._pipelined(keys, queue))
 
     def pin(self, keys: Sequence[str]) -> None:
         self._scripted("pin", self._pin, keys)
@@ -168,15 +223,17 @@ class RedisStore(ByteStore):
 
     def stats(self) -> dict[str, object]:
         def run() -> dict[str, object]:
-            mem, st = self.client.info("memory"), self.client.info("stats")
+            nodes = [n.redis_connection for n in self.client.get_primaries()] if self.cluster else [self.client]
+            mem, st = [c.info("memory") for c in nodes], [c.info("stats") for c in nodes]
             return {
-                "keys": self.client.dbsize(),
-                "bytes": mem.get("used_memory", 0),
-                "capacity_bytes": mem.get("maxmemory", 0),
-                "hits": st.get("keyspace_hits", 0),
-                "misses": st.get("keyspace_misses", 0),
-                "evictions": st.get("evicted_keys", 0),
-                "eviction_policy": mem.get("maxmemory_policy", ""),
+                "keys": sum(c.dbsize() for c in nodes),
+                "bytes": sum(m.get("used_memory", 0) for m in mem),
+                "capacity_bytes": sum(m.get("maxmemory", 0) for m in mem),
+                "hits": sum(x.get("keyspace_hits", 0) for x in st),
+                "misses": sum(x.get("keyspace_misses", 0) for x in st),
+                "evictions": sum(x.get("evicted_keys", 0) for x in st),
+                "eviction_policy": mem[0].get("maxmemory_policy", ""),
+                **({"nodes": len(nodes)} if self.cluster else {}),
             }
 
         return self._call("stats", run)

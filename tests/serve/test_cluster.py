@@ -61,15 +61,23 @@ def test_compose_file_passes_compose_config(profile):
     expected = (
         {"redis", "lmcache", "store", "model", "vericache-a", "vericache-b", "rag-client"}
         if profile == "cpu"
-        else {"store", "model", "sglang", "sglang-client"}
+        else {"store", "model", "sglang-a", "sglang-b", "router", "sglang-client"}
     )
     assert set(services) == expected
     if profile.startswith("sglang"):
-        args = services["sglang"]["command"]
-        device = args[args.index("--device") + 1]
-        assert device == ("cuda" if profile == "sglang-gpu" else "cpu")
-        assert services["sglang"]["environment"]["SGLANG_USE_CPU_ENGINE"] == ("0" if device == "cuda" else "1")
-        assert ("deploy" in services["sglang"]) == (device == "cuda")  # a GPU reservation only on the GPU
+        gpus = []
+        for name in ("sglang-a", "sglang-b"):
+            args = services[name]["command"]
+            device = args[args.index("--device") + 1]
+            assert device == ("cuda" if profile == "sglang-gpu" else "cpu")
+            assert services[name]["environment"]["SGLANG_USE_CPU_ENGINE"] == ("0" if device == "cuda" else "1")
+            assert ("deploy" in services[name]) == (device == "cuda")  # a GPU reservation only on the GPU
+            if device == "cuda":
+                gpus += services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        assert len(set(gpus)) == len(gpus)  # one GPU each
+        router = services["router"]["command"]
+        workers = router[router.index("--worker-urls") + 1 :]
+        assert workers == ["http://sglang-a:30000", "http://sglang-b:30000"]
 
 
 def test_every_image_builds_from_files_in_the_repository():
@@ -114,10 +122,11 @@ def test_local_runner_reads_the_file_as_compose_does(profile, monkeypatch):
         assert svc.depends_on == {d: c["condition"] for d, c in (ref.get("depends_on") or {}).items()}, name
         assert [svc.port] == [int(p) for p in ref.get("expose", [])] or (svc.port is None and "expose" not in ref)
         assert svc.oneshot == (ref.get("restart") == "no"), name
-    first_server = "vericache-a" if profile == "cpu" else "sglang"
+    first_server = "vericache-a" if profile == "cpu" else "sglang-a"
     assert cluster.order(ours).index("store") < cluster.order(ours).index(first_server)
     if profile == "sglang":
-        args = ours["sglang"].command
+        assert cluster.order(ours).index("sglang-b") < cluster.order(ours).index("router")
+        args = ours["sglang-a"].command
         assert args[args.index("--dtype") + 1] == "bfloat16" and args[args.index("--device") + 1] == "cpu"
 
 
@@ -165,20 +174,28 @@ def test_cluster_end_to_end(tmp_path):
 @pytest.mark.sglang
 @pytest.mark.slow
 def test_sglang_profile_end_to_end(tmp_path):
-    """The sglang profile on loopback: SGLang's own launcher with --enable-vericache on this CPU, its
-    full KV written to our store, the SGLang client's answers about shared documents identical to
-    full-KV decoding, later questions served from the cached document prefix."""
+    """The sglang profile on loopback: two SGLang servers (SGLang's own launcher with
+    --enable-vericache on this CPU, the full KV in our store between verifications) behind SGLang's
+    router (smg, cache-aware); the client's answers about shared documents identical to full-KV
+    decoding, later questions served from the cached document prefix, and each document asked of
+    the server that never saw it served from the store: cached, not prefilled, identical."""
     c = cluster.LocalCluster.from_compose(tmp_path, profile="sglang")
     try:
         c.up()
-        done = c.run_client(extra=("--json", "--max-tokens", "24"))
+        done = c.run_client(extra=("--json", "--max-tokens", "16"))
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads(done.stdout)
-        assert summary["identical"] and summary["later_questions_cached"] and summary["requests"] == 4
-        assert all(r["max_logprob_abs_diff"] < 1e-3 for r in summary["rows"])
-        m = summary["metrics"]
-        assert m["vericache_verify_passes_total"] > 0 and m["vericache_full_kv_written_bytes_total"] > 0
-        assert m["vericache_store_errors_total"] == 0
+        assert summary["identical"] and summary["later_questions_cached"] and summary["requests"] == 8
+        assert summary["every_document_from_the_store"], summary["worker_rows"]
+        assert all(r["max_logprob_abs_diff"] < 1e-3 for r in summary["rows"] + summary["worker_rows"])
+        workers = {c.url("sglang-a"), c.url("sglang-b")}
+        assert set(summary["metrics"]) == workers
+        for m in summary["metrics"].values():
+            assert m["vericache_verify_passes_total"] > 0 and m["vericache_full_kv_fetched_bytes_total"] > 0
+            assert m["vericache_store_errors_total"] == 0 and m["vericache_full_kv_recomputes_total"] == 0
+        assert sum(m["vericache_store_prefix_hits_total"] for m in summary["metrics"].values()) >= 2
     finally:
         codes = c.down()
-    assert codes["store"] == 0, codes  # SGLang's launcher ends its own way on SIGTERM; the store cleanly
+    assert codes["store"] == 0, (
+        codes
+    )  # SGLang's launcher and the router end their own way on SIGTERM; the store cleanly

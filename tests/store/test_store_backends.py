@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from services import REPO, RedisServer, StoreServer, redis_available, self_signed_cert
+from services import REPO, RedisCluster, RedisServer, StoreServer, redis_available, self_signed_cert
 
 from remote_store import StoreError, codec, open_store
 from vericache_sglang.core.compress import parse_spec
@@ -193,6 +193,48 @@ def test_redis_auth_and_tls(tmp_path):
             open_store(bad).get_many(["r"])
     finally:
         server.stop()
+
+
+@needs_redis
+def test_a_redis_cluster_spreads_records_pins_on_their_node_and_a_dead_node_is_a_store_error(tmp_path):
+    """Records over a real three-primary Redis Cluster: each on the node that owns its slot, its pin
+    counter beside it (the pin scripts run on that node), batches split by node; with one node
+    killed, a batch touching its slots is a StoreError (never a wrong or partial answer), and
+    the other nodes' records still read."""
+    import redis
+
+    from remote_store.health import probe
+
+    cluster = RedisCluster(tmp_path)
+    try:
+        probe(cluster.url)
+        store = open_store(cluster.url)
+        items = [(f"vc:t:{i}", bytes([i]) * 64) for i in range(60)]
+        store.put_many(items, ttl_s=600)
+        keys = [k for k, _ in items]
+        assert store.get_many(keys) == [v for _, v in items]
+        assert store.get_ranges([(keys[3], [(1, 2)])]) == [[bytes([3]) * 2]]
+        nodes = [redis.Redis(port=p) for p in cluster.ports]
+        held = [n.dbsize() for n in nodes]
+        assert all(h > 0 for h in held) and sum(held) == 60, held  # spread over every primary
+        store.pin(keys[:10])
+        slots = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+        owner = {k: nodes[cluster.ports.index(slots.get_node_from_key(k).port)] for k in keys}
+        assert all(owner[k].ttl(k) == -1 for k in keys[:10])  # pinned: no TTL, on the record's node
+        assert all(owner[k].exists(f"pin:{{{k}}}") for k in keys[:10])  # the counter beside it
+        store.unpin(keys[:10])
+        assert all(owner[k].ttl(k) > 0 for k in keys[:10])
+        assert store.stats()["keys"] == 60 and store.stats()["nodes"] == 3
+        assert store.delete_many(keys[50:]) == 10 and store.exists_many(keys[50:]) == [False] * 10
+        assert all(owner[k].exists(k) for k in keys[:50])
+        on_dead = [k for k in keys[:50] if owner[k] is nodes[1]]
+        cluster.kill(1)
+        with pytest.raises(StoreError):
+            store.get_many(keys[:50])
+        alive = [k for k in keys[:50] if k not in on_dead]
+        assert on_dead and store.get_many(alive) == [dict(items)[k] for k in alive]
+    finally:
+        cluster.stop()
 
 
 def test_server_needs_no_torch_and_shuts_down_gracefully(tmp_path):

@@ -10,6 +10,7 @@ stop leaves nothing behind. No sglang import here: the servers are other process
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,9 +274,10 @@ class Load:
     peak_tokens: float
 
 
-def run_load(server: SGLangServer, questions: list[Ask], poll_s: float = 0.2) -> Load:
-    """All ``questions`` at once, SGLang's ``sglang:num_used_tokens`` (KV slots held by running
-    requests: the tree's evictable ones excluded) polled the while."""
+@contextlib.contextmanager
+def peak_tokens(server: SGLangServer, poll_s: float = 0.2) -> Iterator[list[float]]:
+    """SGLang's ``sglang:num_used_tokens`` (KV slots held by running requests: the tree's evictable
+    ones excluded) polled while the block runs; its peak is ``[0]`` of what it yields, once done."""
     peak, done = [0.0], threading.Event()
 
     def watch() -> None:
@@ -284,13 +287,19 @@ def run_load(server: SGLangServer, questions: list[Ask], poll_s: float = 0.2) ->
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    t0 = time.perf_counter()
     try:
-        answers = ask_all(server, questions)
+        yield peak
     finally:
-        seconds = time.perf_counter() - t0
         done.set()
         watcher.join()
+
+
+def run_load(server: SGLangServer, questions: list[Ask], poll_s: float = 0.2) -> Load:
+    """All ``questions`` at once, the device KV pool's peak token usage watched the while."""
+    t0 = time.perf_counter()
+    with peak_tokens(server, poll_s) as peak:
+        answers = ask_all(server, questions)
+        seconds = time.perf_counter() - t0
     return Load(answers, seconds, peak[0])
 
 

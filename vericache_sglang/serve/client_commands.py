@@ -30,7 +30,13 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
         "to an SGLang server with --enable-vericache, checked against full-KV "
         "decoding here",
     )
-    p.add_argument("--server", required=True, help="the SGLang server's URL (http://HOST:PORT)")
+    p.add_argument("--server", required=True, help="the SGLang server's or its router's URL (http://HOST:PORT)")
+    p.add_argument(
+        "--workers",
+        nargs="+",
+        default=(),
+        help="the servers behind the router: each is also asked about every document directly",
+    )
     p.add_argument("--documents", type=Path, nargs="+", required=True, help="text files, one document each")
     p.add_argument("--question", action="append", help="a question to ask about every document (repeatable)")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -82,7 +88,9 @@ def cmd_sglang_client(args: argparse.Namespace) -> int:
         args.doc_chars,
         args.wait_s,
         log,
+        tuple(args.workers),
     )
     if args.json:
         print(json.dumps(summary))
-    return 0 if summary["identical"] and summary["later_questions_cached"] else 1
+    ok = summary["identical"] and summary["later_questions_cached"]
+    return 0 if ok and summary["every_document_from_the_store"] in (None, True) else 1
