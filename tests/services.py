@@ -126,8 +126,12 @@ class RedisCluster:
             # a cache: the nodes left keep serving their slots when one goes down
             args += ["--maxmemory-policy", "volatile-lru", "--cluster-require-full-coverage", "no"]
             self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for port in self.ports:
-            _wait_ping(redis.Redis(port=port, socket_timeout=1), f"redis-server --cluster-enabled on {port}")
+        try:
+            for port in self.ports:
+                _wait_ping(redis.Redis(port=port, socket_timeout=1), f"redis-server --cluster-enabled on {port}")
+        except RuntimeError:
+            self.stop()
+            raise
         create = ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
         done = subprocess.run([*create, "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True)
         if done.returncode != 0:
