@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 from conftest import SGLANG_TEST_FLAGS
 from sglang_e2e import COPY, MODIFIERS, PERSON_FORMAT, compare_answers, prompt, same_as_stock
+from transformers import AutoConfig
 
 from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, run_load
+from vericache_sglang.engine.model import smollm2_dir
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
@@ -62,7 +64,8 @@ def test_the_full_kv_in_the_store_answers_as_stock_and_serves_a_stored_prefix(
     """The default set's store-mode server (SnapKV, our gRPC store): answers are stock's, every
     request's full KV went to the store and came back for its verifications; a prompt asked again
     finds its prefix in the store (the first request's prompt never entered the tree), loads it
-    instead of prefilling it, and answers as stock does."""
+    instead of prefilling it, and answers as stock does. What ``/metrics`` counts as written and
+    fetched is that request's own full KV: written once, fetched once per verification."""
     # first in this module: its server is stopped before the others start (the host pool asks for
     # 10 GiB of free memory beside itself)
     server = store_mode_launch
@@ -71,12 +74,30 @@ def test_the_full_kv_in_the_store_answers_as_stock_and_serves_a_stored_prefix(
         _check_identical(stock_server, server, exactness, "snapkv-store-grpc")
         _mode_evidence(server, "store")
         again = [Ask(prompt("prose"), "completion", max_tokens=16)]
+        before = server.metrics()
         _, (got,) = same_as_stock(stock_server, server, again, exactness, "snapkv-store-grpc prefix from the store")
         assert got.cached_tokens >= 896, got.cached_tokens  # whole chunks but the last 64 tokens
         m = server.metrics()
         assert m["vericache_store_prefix_hits_total"] >= 1 and m["vericache_store_prefix_tokens_total"] >= 896
+        _bytes_are_the_requests_full_kv(before, m, got)
     finally:
         server.stop()
+
+
+def _bytes_are_the_requests_full_kv(before: dict, after: dict, got) -> None:
+    """One request alone on the server: its own positions (the prompt past the stored prefix the
+    tree now holds, then what it committed) were written to the store once each, and each
+    verification fetched all of them written by then, as whole tokens of SmolLM2's full KV."""
+    config = AutoConfig.from_pretrained(smollm2_dir())
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4  # float32
+    grown = {k: after[k] - before.get(k, 0.0) for k in after}
+    written, fetched = grown["vericache_full_kv_written_bytes_total"], grown["vericache_full_kv_fetched_bytes_total"]
+    verifications = grown["vericache_verify_passes_total"]
+    assert written % per_token == 0 and fetched % per_token == 0, (written, fetched, per_token)
+    own = got.prompt_tokens - got.cached_tokens
+    assert own <= written // per_token <= own + got.completion_tokens, (written // per_token, own)
+    assert verifications >= 1
+    assert verifications * own <= fetched // per_token <= verifications * (own + got.completion_tokens)
 
 
 @pytest.mark.parametrize(
@@ -149,11 +170,14 @@ def test_offloading_holds_at_most_half_the_device_tokens_of_stock(
 ):
     """Six 2,000-token requests at once: stock SGLang holds all their KV on the device; with
     ``full_kv`` "host" or "store" the device holds the reload room and what is being prefilled (the
-    compressed copies are elsewhere: the worker's own pool)."""
+    compressed copies are elsewhere: the worker's own pool). The prompts open with a line of their
+    own: a prefix the session's other tests left in the shared store would be loaded into the radix
+    tree, which keeps it on the device while requests use it, as stock's tree keeps a cached one."""
     load = [
-        Ask(prompt(name, 2000), kind, max_tokens=24)
-        for name in ("prose", "code", "tools")
-        for kind in ("completion", "chat")
+        Ask(f"Peak-load request {i}.\n" + prompt(name, 2000), kind, max_tokens=24)
+        for i, (name, kind) in enumerate(
+            (name, kind) for name in ("prose", "code", "tools") for kind in ("completion", "chat")
+        )
     ]
     store = request.getfixturevalue("store_url") if full_kv == "store" else None
     server = SGLangServer(sglang_logs, f"snapkv-{full_kv}-peak", vericache=_config(SNAPKV, full_kv, store))
@@ -165,6 +189,7 @@ def test_offloading_holds_at_most_half_the_device_tokens_of_stock(
             exactness(f"sglang {full_kv} peak load {q.label()}", cmp, stock_peak=stock_peak, peak=peak)
             assert cmp["identical"], (q.label(), ref.text, out.text)
         _mode_evidence(server, full_kv)
+        assert server.metrics().get("vericache_store_prefix_hits_total", 0) == 0  # nothing loaded
     finally:
         server.stop()
     assert stock_peak >= 6 * 2000

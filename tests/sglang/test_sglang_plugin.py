@@ -123,6 +123,13 @@ def test_contradictory_or_unsupported_settings_are_clear_errors(config, extra, m
     assert message in str(err.value)
 
 
+def test_a_store_behind_an_emulated_link_passes_the_launch_check(store_url):
+    """The launcher opens the store (``?link_ratio=R`` included) without measuring a device: each
+    scheduler sets the emulated link against its own device's memory bandwidth."""
+    sa = prepare_server_args(_argv(config={"full_kv": "store", "store": f"{store_url}?link_ratio=60"}))
+    assert config_of(sa).store.endswith("?link_ratio=60")
+
+
 def test_config_without_enable_flag_and_bad_json_are_errors():
     with pytest.raises(VeriCacheConfigError, match="without --enable-vericache"):
         prepare_server_args(["--model-path", _model_path(), "--vericache-config", "{}"])

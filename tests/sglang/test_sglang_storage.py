@@ -107,7 +107,7 @@ def test_pages_round_trip_bit_exact_and_missing_keys_miss(url):
     assert got == [True, True, True, False, True, True]
     for slot, page in zip([0, 1, 2, 4, 5], pages, strict=True):
         assert torch.equal(host.get_data_page(int(into[slot * PAGE])), page)
-    assert backend.get_stats()["get_miss"] == 1
+    assert backend.page_stats()["get_miss"] == 1
 
     # the generic interface reads the same records
     flat = backend.get(keys[1])
@@ -147,7 +147,7 @@ def test_damaged_page_is_refused_never_copied(url):
     before = host.get_data_page(int(into[PAGE])).clone()
     assert backend.batch_get_v1(["x", "y", "z"], into) == [True, False, False]
     assert torch.equal(host.get_data_page(int(into[PAGE])), before)  # untouched
-    assert backend.get_stats()["get_bad"] == 2
+    assert backend.page_stats()["get_bad"] == 2
     raw.close()
 
 
@@ -166,7 +166,7 @@ def test_store_that_goes_away_makes_pages_miss_without_raising(tmp_path):
     assert backend.batch_exists(["p0"]) == 0
     assert backend.batch_set_v1(["p3"], idx[:PAGE]) == [False]
     assert time.monotonic() - t0 < 60
-    assert backend.get_stats()["store_errors"] >= 3
+    assert backend.page_stats()["store_errors"] >= 3
 
 
 def test_missing_store_url_is_a_clear_error():
@@ -207,3 +207,33 @@ def test_a_store_it_cannot_use_fails_the_backend_at_start(store_url):
         with pytest.raises(StoreConfigError, match=cause) as e:
             _backend(url, _host_pool(), "ns")
         assert ":wrong@" not in str(e.value)
+
+
+def test_an_emulated_link_is_set_against_the_device_memory_bandwidth(store_url):
+    """``?link_ratio=R`` on the backend's URL (a benchmark's slower link) is the device's measured
+    memory bandwidth over R, as for the full-KV tier; pages still round trip exactly through it."""
+    from remote_store.link import LinkEmulator
+    from vericache_sglang.engine.hardware import memory_bandwidth
+
+    host = _host_pool()
+    backend = _backend(f"{store_url}?link_ratio=1000", host, f"l{time.monotonic_ns()}")
+    assert isinstance(backend.store, LinkEmulator) and backend.store.ratio == 1000
+    assert backend.store.bandwidth_bytes_s == memory_bandwidth("cpu") / 1000
+    idx, pages = _fill(host, 2, seed=5)
+    assert backend.batch_set_v1(["q0", "q1"], idx) == [True, True]
+    into = host.alloc(2 * PAGE)
+    assert backend.batch_get_v1(["q0", "q1"], into) == [True, True]
+    for i, page in enumerate(pages):
+        assert torch.equal(host.get_data_page(int(into[i * PAGE])), page)
+    assert backend.store.transfer_s > 0
+
+
+def test_storage_metrics_are_what_sglang_reads(store_url):
+    """SGLang's scheduler (``--enable-metrics``) reads ``get_stats()`` as a ``StorageMetrics`` or None
+    and sets its prefetch counts on it; a dict there failed the server's first request. Our own page
+    counts are ``page_stats()``."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    backend = _backend(store_url, _host_pool(), f"m{time.monotonic_ns()}")
+    assert backend.get_stats() is None or isinstance(backend.get_stats(), StorageMetrics)
+    assert backend.page_stats()["set"] == 0

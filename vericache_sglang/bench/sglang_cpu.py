@@ -112,6 +112,7 @@ def _store_server(logs: Path) -> Iterator[str]:
     token = secrets.token_hex(8)
     (logs / "store.token").write_text(token)
     port_file = logs / "store.port"
+    port_file.unlink(missing_ok=True)  # an earlier store's port, in a benchmark that starts several
     with open(logs / "store.log", "ab") as log_file:
         proc = subprocess.Popen(
             [

@@ -221,6 +221,7 @@ class Answer:
     logprobs: list[float] | None = None
     cached_tokens: int | None = None
     completion_tokens: int | None = None  # non-streamed answers
+    prompt_tokens: int | None = None
 
 
 def ask(server: SGLangServer, q: Ask) -> Answer:
@@ -237,7 +238,7 @@ def ask(server: SGLangServer, q: Ask) -> Answer:
             return Answer(text, finish)
         r = client.completions.create(model=MODEL, prompt=q.prompt, max_tokens=q.max_tokens, **params)
         logprobs = r.choices[0].logprobs.token_logprobs if r.choices[0].logprobs else None
-        return Answer(r.choices[0].text, r.choices[0].finish_reason, logprobs, _cached(r), r.usage.completion_tokens)
+        return Answer(r.choices[0].text, r.choices[0].finish_reason, logprobs, _cached(r), *_counts(r.usage))
     messages = ([{"role": "system", "content": q.system}] if q.system else []) + [{"role": "user", "content": q.prompt}]
     if q.stream:
         text, finish = "", None
@@ -251,7 +252,11 @@ def ask(server: SGLangServer, q: Ask) -> Answer:
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=q.max_tokens, **params)
     choice = r.choices[0]
     logprobs = [t.logprob for t in choice.logprobs.content] if choice.logprobs and choice.logprobs.content else None
-    return Answer(choice.message.content or "", choice.finish_reason, logprobs, _cached(r), r.usage.completion_tokens)
+    return Answer(choice.message.content or "", choice.finish_reason, logprobs, _cached(r), *_counts(r.usage))
+
+
+def _counts(usage: Any) -> tuple[int, int]:
+    return usage.completion_tokens, usage.prompt_tokens
 
 
 def _cached(r: Any) -> int | None:

@@ -463,8 +463,7 @@ class BatchEngine:
             rid,
             req.next_reload_bytes(),
             max(1, req.next_horizon()),
-            # the verify pass assembles the whole full KV on the device (held
-            # rows copied in, not fetched)
+            # the verify pass assembles the whole full KV on the device (held rows copied in, not fetched)
             device_bytes=req.full_kv_bytes(),
         )
         self._start_windows(sched, admitted, running)

@@ -62,10 +62,11 @@ def from_cli_args_hook(result: ServerArgs, *args: Any, **kwargs: Any) -> ServerA
     apply_implied_flags(result, cfg)
     if cfg.full_kv == "store" and not cfg.store.startswith("memory://"):
         # a store the server cannot use fails the launch here, in seconds, naming it and why,
-        # before any scheduler loads the model (each scheduler connects again for itself)
+        # before any scheduler loads the model (each scheduler connects again for itself, and sets
+        # an emulated link's rate against its own device: the launcher only opens the store)
         from remote_store import connect_store
 
-        connect_store(cfg.store).close()
+        connect_store(cfg.store, memory_bandwidth=lambda: 1.0).close()
     setattr(result, ATTR, cfg)
     return result
 

@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from remote_store import connect_store
 from remote_store.codec import KIND_PACKED, ChunkError, ChunkHeader, check, decode, encode
+from vericache_sglang.engine.hardware import memory_bandwidth
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -49,7 +50,10 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
         self.config = storage_config
         self.namespace = str(extra.get("namespace", "hicache"))
         self.ttl_s = float(extra["ttl_s"]) if extra.get("ttl_s") else None
-        self.store = connect_store(url)  # a store that cannot be used as configured fails the launch
+        # a store that cannot be used as configured fails the launch; an emulated link
+        # (?link_ratio=R) is set against the device's memory bandwidth, as for the full-KV tier
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.store = connect_store(url, memory_bandwidth=lambda: memory_bandwidth(device))
         self.mem_pool_host: HostKVCache | None = None
         self._layout_digest: str | None = None
         self.stats_pages = {"set": 0, "get_hit": 0, "get_miss": 0, "get_bad": 0, "store_errors": 0}
@@ -248,7 +252,13 @@ class VeriCacheHiCacheStorage(HiCacheStorage):
             "evicted by the store)"
         )
 
-    def get_stats(self) -> dict[str, Any]:
+    def get_stats(self) -> None:
+        """SGLang's storage metrics hook: it expects a ``StorageMetrics`` or None (then it counts
+        prefetches itself); our page counts are ``page_stats()``."""
+        return None
+
+    def page_stats(self) -> dict[str, Any]:
+        """Pages written, hit, missed and refused by a check, store errors, and the store's stats."""
         stats: dict[str, Any] = dict(self.stats_pages)
         try:
             stats["store"] = self.store.stats()

@@ -27,7 +27,7 @@ leak check holds) and ``StaggeredReloads`` (the core scheduler's plan carried ou
 
 Tested on CPU inside real SGLang servers (tests/sglang/test_sglang_e2e_modes.py: answers identical to
 stock SGLang, the device pool's peak usage below stock's) and piece by piece on SGLang's objects
-(tests/sglang/test_sglang_host_tier.py, tests/sglang/test_sglang_offload.py); on a GPU unverified.
+(tests/sglang/test_sglang_host_tier.py, test_sglang_offload.py, test_sglang_store_tier.py); on a GPU unverified.
 """
 
 from __future__ import annotations
@@ -131,7 +131,9 @@ class FullKVOffload:
         row = self.ledger.req_to_token[int(req.kv.req_pool_idx)]
         try:
             apart = getattr(req, "cache_salt", None) is not None or getattr(req, "extra_key", None) is not None
-            self.tier.open(req.rid, list(req.origin_input_ids[:prompt_len]), row[:start].to(torch.int64), not apart)
+            # a retracted request prefills again over its prompt and what it had generated
+            tokens = [*req.origin_input_ids, *req.output_ids][:prompt_len]
+            self.tier.open(req.rid, tokens, row[:start].to(torch.int64), not apart)
         except NOT_TAKEN as e:
             self._not_taken(req.rid, e)
             return 0

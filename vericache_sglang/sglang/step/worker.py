@@ -151,11 +151,15 @@ class VeriCacheWorker(BaseSpecWorker):
             tier = None  # the host pool
             if self.cfg.full_kv == "store":
                 from remote_store import connect_store
+                from vericache_sglang.engine.hardware import memory_bandwidth
                 from vericache_sglang.full_kv.store import FullKVStore
                 from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
 
-                # a store that cannot be used as configured fails the launch here, naming it and why
-                store = FullKVStore(connect_store(self.cfg.store), self.layout, namespace="sglang")
+                # a store that cannot be used as configured fails the launch here, naming it and why;
+                # an emulated link (?link_ratio=R) is set against this device's memory bandwidth
+                device = str(self.device)
+                backend = connect_store(self.cfg.store, memory_bandwidth=lambda: memory_bandwidth(device))
+                store = FullKVStore(backend, self.layout, namespace="sglang")
                 tier = StoreFullKV(target_pool, store)
             self.offload = FullKVOffload(
                 self.cfg,

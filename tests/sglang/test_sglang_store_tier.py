@@ -1,0 +1,198 @@
+"""``full_kv: "store"`` on SGLang's own objects (CPU): the same offload as the host tier's over the
+full-KV store (a real embedded store; faults injected around it by ``tests/faults.py``), fetched on
+the tier's thread while the draft passes run; a fetch the store does not deliver is recomputed, a
+write it refuses leaves the request on the device, and prompt prefixes in the store are loaded into
+the radix tree for the next request, on this server or another."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.mem_cache.l2_transfer", reason="sglang is not installed")
+
+from offload_setup import (
+    LAYERS,
+    Setup,
+    finish,
+    plan_and_draft,
+    published_server_args,  # noqa: F401  (autouse: SGLang's published server args)
+    recompute_from,
+    store_offload,
+    verify_reading,
+)
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+from vericache_sglang.sglang.full_kv.offload_rows import PAD_SLOT
+
+
+def test_with_the_full_kv_only_in_the_store_every_verification_reads_it_exactly():
+    s = Setup()
+    offload, errors = store_offload(s, reload_room=0.25)
+    total = s.alloc.available_size()
+    req = s.request("a", list(range(1, 61)))
+    assert offload.admit(req, 60) == 60
+    row = s.rows.req_to_token[req.kv.req_pool_idx]
+    assert bool((row[:60] == PAD_SLOT).all())  # the device holds none of it
+    handle = offload.tier._handles["a"]
+    assert handle.stored == 60 and offload.offloaded_bytes == 60 * offload.tier.bytes_per_token
+    for step in range(3):
+        plan_and_draft(offload, [req])
+        assert "a" in offload.reloads.inflight  # its fetch started while drafting ran
+        seen: list[bool] = []
+        offload.verify([req], verify_reading(s, req, seen), width=5, recompute=recompute_from(s, req, []))
+        assert seen == [True], f"step {step}: the verify pass did not read the exact full KV"
+        s.extend(req, 3)
+        req.output_ids.extend([7, 7, 7])
+        assert offload.offload(req, req.kv.kv_committed_len, [7, 7, 7]) == 3
+    assert offload.reloaded_bytes == (60 + 63 + 66) * offload.tier.bytes_per_token and not errors
+    finish(req)
+    release_kv_cache(req, s.cache, checkpoint=True)
+    assert s.alloc.available_size() == total and "a" not in offload.tier and handle.unreleased == 0
+
+
+def test_a_retracted_request_prefilling_again_over_its_outputs_goes_to_the_store_whole():
+    """SGLang retracts a request under memory pressure and later prefills it again over its prompt
+    and the tokens it had generated: all of them are the request's known tokens, offloaded and read
+    back exactly (they were once only the prompt's, and the store refused the rest)."""
+    s = Setup()
+    offload, errors = store_offload(s, reload_room=0.25)
+    req = s.request("a", list(range(1, 41)))
+    req.output_ids.extend([7, 8, 9])
+    s.extend(req, 3)  # the re-prefill computed the outputs' KV too
+    assert offload.admit(req, 43) == 43 and not errors
+    assert offload.tier._handles["a"].stored == 43
+    plan_and_draft(offload, [req])
+    seen: list[bool] = []
+    offload.verify([req], verify_reading(s, req, seen), width=5, recompute=recompute_from(s, req, []))
+    assert seen == [True] and not errors
+
+
+def test_a_fetch_the_store_does_not_deliver_is_recomputed_before_the_verify_pass():
+    """The store fails mid-fetch, then returns a corrupt record: each time the request's positions
+    are recomputed into the lent slots (never read as fetched), the pass reads exact KV, counted."""
+    from faults import HookedStore
+
+    from remote_store import StoreError, open_store
+
+    failing = {"on": False}
+
+    def hook(count: int) -> None:
+        if failing["on"]:
+            raise StoreError(f"injected failure on get #{count}")
+
+    s = Setup()
+    offload, errors = store_offload(s, HookedStore(open_store("memory://"), hook))
+    req = s.request("a", list(range(1, 41)))
+    assert offload.admit(req, 40) == 40
+    calls: list[tuple[int, int, int]] = []
+    failing["on"] = True
+    plan_and_draft(offload, [req])
+    seen: list[bool] = []
+    offload.verify([req], verify_reading(s, req, seen), width=5, recompute=recompute_from(s, req, calls))
+    assert seen == [True] and calls == [(0, 0, 40)] and offload.recomputed == 1
+    assert isinstance(errors[-1], StoreError)
+    failing["on"] = False
+    backend = offload.tier.store.backend.inner
+    for key in offload.tier._handles["a"]._pinned:  # every record of the request, garbled
+        backend.put_many([(key, b"not a chunk")])
+    plan_and_draft(offload, [req])
+    seen = []
+    offload.verify([req], verify_reading(s, req, seen), width=5, recompute=recompute_from(s, req, calls))
+    assert seen == [True] and calls == [(0, 0, 40)] * 2 and offload.recomputed == 2
+    # with nothing to recompute it, a verification refuses to run rather than read what was not fetched
+    plan_and_draft(offload, [req])
+    with pytest.raises(RuntimeError, match="not delivered"):
+        offload.verify([req], verify_reading(s, req, []), width=5)
+
+
+def test_a_store_that_refuses_the_writes_leaves_the_request_on_the_device():
+    from faults import HookedStore
+
+    from remote_store import StoreError, open_store
+
+    class Refusing(HookedStore):
+        def put_many(self, items, ttl_s=None):
+            raise StoreError("injected: the store is down")
+
+    s = Setup()
+    offload, errors = store_offload(s, Refusing(open_store("memory://"), lambda n: None))
+    req = s.request("a", list(range(1, 41)))
+    assert offload.admit(req, 40) == 0 and len(errors) == 1
+    row = s.rows.req_to_token[req.kv.req_pool_idx]
+    assert bool((row[:40] != PAD_SLOT).all())  # still on the device, still exact
+    offload.plan([req])
+    seen: list[bool] = []
+    offload.verify([req], verify_reading(s, req, seen), width=5)
+    assert seen == [True]
+
+
+def test_a_matched_prefix_is_written_to_the_store_for_other_servers_and_stays_with_the_tree():
+    s = Setup()
+    offload, _ = store_offload(s)
+    prompt = list(range(100, 148))
+    first = s.request("first", prompt[:32])
+    s.cache.insert(
+        InsertParams(key=RadixKey(prompt[:32]), value=s.rows.req_to_token[first.kv.req_pool_idx, :32].to(torch.int64))
+    )
+    s.kv["_prefix"] = [t.clone() for t in s.kv["first"]]
+    req = s.request("b", prompt, prefix=32)
+    assert offload.admit(req, 48) == 16  # only [32, 48) leaves the device: the prefix is the tree's
+    store = offload.tier.store
+    assert store.longest_prefix(prompt) == 48  # every whole chunk of the prompt, prefix included
+    kv = store.load_prefix(prompt, 48)
+    for layer in range(LAYERS):
+        k, v = kv.layers[layer]
+        assert torch.equal(k.transpose(0, 1), s.kv["b"][layer][:, 0]) and torch.equal(
+            v.transpose(0, 1), s.kv["b"][layer][:, 1]
+        )
+    plan_and_draft(offload, [req])
+    seen: list[bool] = []
+    offload.verify([req], verify_reading(s, req, seen), width=5)
+    assert seen == [True]
+
+
+def test_a_prompt_prefix_in_the_store_is_loaded_into_the_tree_for_the_next_request():
+    """The first request's prompt went to the store (it stays out of the tree); the next request
+    over the same document finds it through SGLang's own prefix match: the prefix's KV is loaded
+    into device slots, exactly, and inserted into the tree. A corrupt record is a plain miss."""
+    from sglang.srt.mem_cache.common import match_kv_cache
+
+    s = Setup()
+    offload, _ = store_offload(s, reload_room=0.5)
+    document = list(range(500, 628))  # eight chunks of 16
+    first = s.request("first", [*document, 1, 2, 3])
+    assert offload.admit(first, 131) == 131
+    # the match leaves the prompt's last 64 tokens to compute (the observation window): 66 -> 64
+    second = Req("second", "", array("l", [*document, 4, 5]), SamplingParams(max_new_tokens=8))
+    match = match_kv_cache(second, s.cache, second.origin_input_ids)
+    assert match.device_prefix_len == 64 and offload.tier.prefix_tokens_loaded == 64
+    slots = s.cache.path_device_indices(match.last_device_node)
+    for layer in range(LAYERS):
+        got = torch.stack([s.pool.k_buffer[layer][slots], s.pool.v_buffer[layer][slots]], 1)
+        assert torch.equal(got, s.kv["first"][layer][:64])
+    assert match_kv_cache(second, s.cache, second.origin_input_ids).device_prefix_len == 64  # the tree's own
+    assert offload.tier.prefix_hits == 1
+    # another document whose stored records are garbled: nothing is loaded, nothing leaks
+    other = s.request("other", list(range(900, 1031)))
+    assert offload.admit(other, 131) == 131
+    backend = offload.tier.store.backend
+    for key in offload.tier._handles["other"]._pinned:
+        backend.put_many([(key, b"not a chunk")])
+    free = s.alloc.available_size()
+    third = Req("third", "", array("l", [*range(900, 1028), 7]), SamplingParams(max_new_tokens=8))
+    assert match_kv_cache(third, s.cache, third.origin_input_ids).device_prefix_len == 0
+    assert s.alloc.available_size() == free and offload.tier.prefix_errors == 1
+    # a request SGLang keeps apart (a cache salt) writes records of its own: nobody else finds them
+    salted = s.request("salted", list(range(2000, 2131)))
+    salted.cache_salt = "tenant-a"
+    assert offload.admit(salted, 131) == 131
+    fourth = Req("fourth", "", array("l", [*range(2000, 2128), 7]), SamplingParams(max_new_tokens=8))
+    assert match_kv_cache(fourth, s.cache, fourth.origin_input_ids).device_prefix_len == 0
+    assert offload.tier.prefix_hits == 1
