@@ -16,7 +16,7 @@ pytest.importorskip("sglang.srt.mem_cache.l2_transfer", reason="sglang is not in
 
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -96,6 +96,15 @@ class Setup:
             self.kv[rid] = [t[:prefix].clone() for t in self.kv["_prefix"]]  # set by the test
         self.extend(req, len(prompt) - prefix)
         return req
+
+    def over_cached_prefix(self, prompt: list[int], prefix: int) -> tuple[Req, Req]:
+        """Request "first" over ``prompt[:prefix]``, inserted into the tree (which then owns those
+        slots), and request "b" over all of ``prompt``, matching that prefix in the tree."""
+        first = self.request("first", prompt[:prefix])
+        slots = self.rows.req_to_token[first.kv.req_pool_idx, :prefix].to(torch.int64)
+        self.cache.insert(InsertParams(key=RadixKey(prompt[:prefix]), value=slots))
+        self.kv["_prefix"] = [t.clone() for t in self.kv["first"]]
+        return first, self.request("b", prompt, prefix=prefix)
 
     def extend(self, req: Req, n: int) -> torch.Tensor:
         """``n`` new tokens with KV (a prefill or a verify pass writing them); commits them."""

@@ -24,9 +24,8 @@ from offload_setup import (
     published_server_args,  # noqa: F401  (autouse: SGLang's published server args)
     verified_exactly,
 )
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.common import release_kv_cache
-from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from vericache_sglang.sglang.full_kv.offload_rows import (
     PAD_SLOT,
@@ -71,12 +70,7 @@ def test_a_matched_prefix_stays_with_the_tree_and_only_the_requests_own_rows_mov
     host, _ = host_offload(s)
     total = s.alloc.available_size()
     prompt = list(range(100, 148))
-    first = s.request("first", prompt[:20])
-    s.cache.insert(
-        InsertParams(key=RadixKey(prompt[:20]), value=s.rows.req_to_token[first.kv.req_pool_idx, :20].to(torch.int64))
-    )
-    s.kv["_prefix"] = [t.clone() for t in s.kv["first"]]
-    req = s.request("b", prompt, prefix=20)
+    first, req = s.over_cached_prefix(prompt, 20)
     assert host.offload(req, 48) == 28  # only [20, 48): the prefix is the tree's
     plan_and_draft(host, [req])
     assert verified_exactly(host, s, req)

@@ -24,9 +24,7 @@ from offload_setup import (
     verify_reading,
 )
 from sglang.srt.managers.schedule_batch import Req
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.common import release_kv_cache
-from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from vericache_sglang.sglang.full_kv.offload_rows import PAD_SLOT
@@ -137,12 +135,7 @@ def test_a_matched_prefix_is_written_to_the_store_for_other_servers_and_stays_wi
     s = Setup()
     offload, _ = store_offload(s)
     prompt = list(range(100, 148))
-    first = s.request("first", prompt[:32])
-    s.cache.insert(
-        InsertParams(key=RadixKey(prompt[:32]), value=s.rows.req_to_token[first.kv.req_pool_idx, :32].to(torch.int64))
-    )
-    s.kv["_prefix"] = [t.clone() for t in s.kv["first"]]
-    req = s.request("b", prompt, prefix=32)
+    _, req = s.over_cached_prefix(prompt, 32)
     assert offload.admit(req, 48) == 16  # only [32, 48) leaves the device: the prefix is the tree's
     store = offload.tier.store
     assert store.longest_prefix(prompt) == 48  # every whole chunk of the prompt, prefix included
