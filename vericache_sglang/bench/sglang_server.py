@@ -166,6 +166,19 @@ class SGLangServer:
             out[name] = out.get(name, 0.0) + float(value)
         return out
 
+    def labelled(self, name: str, label: str) -> dict[str, float]:
+        """The samples of ``/metrics`` series ``name`` summed by the value of ``label``."""
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
+            if not line.startswith(name + "{"):
+                continue
+            labels, _, value = line.rpartition(" ")
+            for pair in labels[len(name) + 1 : -1].split(","):
+                key, _, val = pair.partition("=")
+                if key == label:
+                    out[val.strip('"')] = out.get(val.strip('"'), 0.0) + float(value)
+        return out
+
     def stop(self) -> int:
         """SIGTERM to the whole process group, SIGKILL if it lingers; returns the launcher's exit code."""
         if self.proc.poll() is None:

@@ -168,12 +168,17 @@ class FullKVStore:
 
     def load_prefix(self, tokens: Sequence[int], upto: int, start: int = 0) -> FullKV:
         """The shared full KV of ``tokens[start:upto]`` (``upto`` from ``longest_prefix``)."""
+        return FullKV(self.layout, [(k, v) for _, k, v in self.stream_prefix(tokens, upto, start)])
+
+    def stream_prefix(
+        self, tokens: Sequence[int], upto: int, start: int = 0
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``load_prefix`` layer by layer as the layers arrive: one streamed request for all of
+        them (a round trip per layer cost a 2,880-token prefix half a second over loopback gRPC)."""
         refs = [r for r in self.refs(tokens, upto) if r.end > start]
-        layers = []
-        for layer in range(self.layout.num_layers):
-            records = self.backend.get_many([self.key(r, layer) for r in refs])
-            layers.append(self._join(refs, layer, records, None, (start, upto)))
-        return FullKV(self.layout, layers)
+        groups = [[self.key(r, layer) for r in refs] for layer in range(self.layout.num_layers)]
+        for layer, records in enumerate(self.backend.stream_get(groups)):
+            yield (layer, *self._join(refs, layer, records, None, (start, upto)))
 
     def _join(
         self,

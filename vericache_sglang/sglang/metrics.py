@@ -87,6 +87,13 @@ class WorkerMetrics:
         self.refreshes = Counter(
             "vericache_refreshes", "Compressed-KV refreshes from a verification's attention (+refresh)", names
         ).labels(**labels)
+        # labelled by the backend class that ran them: a triton/flashinfer server's masked verify,
+        # or the plugin's chain backend on torch_native (lookup chains' checks included)
+        self._target_verify_forwards = Counter(
+            "vericache_target_verify_forwards",
+            "TARGET_VERIFY forward passes (verifications, recomputes, lookup chains' checks) by attention backend",
+            [*names, "backend"],
+        )
         self._store_errors = Counter(STORE_ERRORS, STORE_ERRORS_HELP, [*names, "kind"])
         for kind in STORE_ERROR_KINDS:  # both series exist from the start, at 0
             self._store_errors.labels(**labels, kind=kind)
@@ -99,6 +106,10 @@ class WorkerMetrics:
             names,
             buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
         ).labels(**labels)
+
+    def target_verify_forwards(self, by_backend: dict[str, int]) -> None:
+        for backend, n in by_backend.items():
+            self._target_verify_forwards.labels(**self.labels, backend=backend).inc(n)
 
     def store_error(self, kind: StoreErrorKind) -> None:
         self._store_errors.labels(**self.labels, kind=kind).inc()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.model_runner import ModelRunner
 
@@ -36,20 +37,42 @@ class DraftPools:
     token_to_kv_pool: MHATokenToKVPool  # holding only kept tokens
     allocator: TokenToKVPoolAllocator  # over token_to_kv_pool
     inner_backend: str = DEFAULT_INNER
+    kv_index_translator: KVIndexTranslator | None = None  # built on first bind, over these pools
 
 
 RUNNER_ATTR = "vericache_draft_pools"
 
 
+def _translator(runner: ModelRunner, pools: DraftPools) -> KVIndexTranslator:
+    # the backends that gather read indices (triton, flashinfer) take them from the runner's
+    # translator, which holds the target pool's req_to_token: a private one reads the private rows
+    if pools.kv_index_translator is None:
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+
+        pools.kv_index_translator = KVIndexTranslator(
+            req_to_token=pools.req_to_token_pool.req_to_token,
+            token_to_kv_pool_allocator=pools.allocator,
+            token_to_kv_pool=pools.token_to_kv_pool,
+            page_size=1,
+            device=runner.device,
+        )
+    return pools.kv_index_translator
+
+
 @contextlib.contextmanager
 def pools_bound(runner: ModelRunner, pools: DraftPools) -> Iterator[None]:
-    """Make ``runner`` look like it owns ``pools`` (backends cache them at construction)."""
-    saved = runner.req_to_token_pool, runner.token_to_kv_pool
-    runner.req_to_token_pool, runner.token_to_kv_pool = pools.req_to_token_pool, pools.token_to_kv_pool
+    """Make ``runner`` look like it owns ``pools`` (backends cache them, and the KV index
+    translator over them, at construction)."""
+    names = ("req_to_token_pool", "token_to_kv_pool", "kv_index_translator")
+    saved = [getattr(runner, name) for name in names]
+    private = (pools.req_to_token_pool, pools.token_to_kv_pool, _translator(runner, pools))
+    for name, value in zip(names, private, strict=True):
+        setattr(runner, name, value)
     try:
         yield
     finally:
-        runner.req_to_token_pool, runner.token_to_kv_pool = saved
+        for name, value in zip(names, saved, strict=True):
+            setattr(runner, name, value)
 
 
 def create_draft_backend(runner: ModelRunner) -> AttentionBackend:

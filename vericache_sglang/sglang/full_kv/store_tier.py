@@ -197,14 +197,13 @@ class StoreFullKV:
     def load_prefix(self, tokens: Sequence[int], have: int, n: int, slots: torch.Tensor) -> bool:
         """Load the stored KV of positions ``[have, n)`` of ``tokens`` into device ``slots``; False
         when the store fails or a record is missing or bad (every record is checked)."""
-        try:
-            kv = self.store.load_prefix(tokens, n, start=have)
+        try:  # each layer into the device pool as it arrives; a failure leaves the slots to be freed
+            for layer, k, v in self.store.stream_prefix(tokens, n, start=have):
+                write_layer(self.device_pool, slots, layer, k, v)
         except (StoreError, ChunkError) as e:
             logger.warning("VeriCache: a stored prefix could not be loaded, computing it instead (%s)", e)
             self.prefix_errors += 1
             return False
-        for layer, (k, v) in enumerate(kv.layers):
-            write_layer(self.device_pool, slots, layer, k, v)
         self.prefix_hits += 1
         self.prefix_tokens_loaded += n - have
         return True

@@ -13,6 +13,7 @@ reads (``forward.py`` builds their ``ForwardBatch``; this module runs them):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -54,6 +55,9 @@ class Passes:
         self.model_runner = runner
         self.forwards = forwards
         self.offload = offload
+        # TARGET_VERIFY forwards by the attention backend class that ran them (the metrics drain
+        # it): which path verified, as run, not as configured
+        self.target_verify_forwards: collections.Counter[str] = collections.Counter()
         draft_pool.pools.inner_backend = runner.decode_attention_backend_str  # drafting is decoding
         self.draft_backend = create_draft_backend(runner)
         # the server's backend verifies where it reads SGLang's chain mask; torch_native cannot
@@ -120,6 +124,11 @@ class Passes:
         out = LogitsProcessorOutput(next_token_logits=seed_logits.clone())
         return self.model_runner.sample(out, fb), out
 
+    def drain_target_verify_forwards(self) -> dict[str, int]:
+        """TARGET_VERIFY forwards by backend class since the last call."""
+        counts, self.target_verify_forwards = dict(self.target_verify_forwards), collections.Counter()
+        return counts
+
     def _timed(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         return run() if self.offload is None else self.offload.draft_pass(run)
 
@@ -129,5 +138,7 @@ class Passes:
 
     def _target_verify(self, backend: AttentionBackend | None, fb: ForwardBatch) -> torch.Tensor:
         with self.using(backend, fb):
+            ran = type(self.model_runner.attn_backend).__name__
             out = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+        self.target_verify_forwards[ran] += 1
         return out.logits_output.next_token_logits

@@ -223,7 +223,8 @@ class VeriCacheWorker(BaseSpecWorker):
     def _prefill(self, batch: ScheduleBatch, on_publish: Callable | None) -> GenerationBatchResult:
         self._admission.tree()  # its release listener, before a request keeps anything here (a plan, query tails)
         fb = self.forwards.prefill(batch)
-        with self._capture.capturing():
+        # the verify backend: on CPU the chain one (new tokens over a cached prefix attend from their rows only)
+        with self._capture.capturing(), self.passes.using(self.passes.verify_backend, fb):
             result = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
         # SGLang's sampler rewrites the logits in place (temperature, softmax): keep them for the core's draws
         logits = result.logits_output.next_token_logits.clone()
@@ -416,6 +417,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 undrafted=len(verdicts) - len(accepted),
             )
             self.metrics.compressed_kv.set(self.draft_pool.nbytes())
+            self.metrics.target_verify_forwards(self.passes.drain_target_verify_forwards())
             if self.offload is not None:
                 self.offload.count_into(self.metrics)
         batch.forward_mode = ForwardMode.DECODE
