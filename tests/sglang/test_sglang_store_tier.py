@@ -151,6 +151,30 @@ def test_a_matched_prefix_is_written_to_the_store_for_other_servers_and_stays_wi
     assert seen == [True]
 
 
+def test_a_matched_prefix_the_store_already_holds_is_adopted_not_written_again():
+    """Another server (or this one) wrote the prefix: it is taken in one check, pinned, and only
+    the request's own positions are written; verifications still read the whole row exactly."""
+    s = Setup()
+    offload, _ = store_offload(s)
+    prompt = list(range(100, 148))
+    _, req = s.over_cached_prefix(prompt, 32)
+    store = offload.tier.store
+    writer = store.open_request(prompt[:32], request_id="elsewhere")
+    writer.write(0, [(t[:, 0].transpose(0, 1), t[:, 1].transpose(0, 1)) for t in s.kv["_prefix"]])
+    checks = []
+    exists_many = store.backend.exists_many
+    store.backend.exists_many = lambda keys: checks.append(len(keys)) or exists_many(keys)
+    assert offload.admit(req, 48) == 16
+    # one check of the prefix's two chunks (every layer), one of the request's own chunk
+    assert checks == [2 * LAYERS, LAYERS]
+    assert offload.tier._handles[req.rid].stats.put_bytes < 32 * offload.tier.bytes_per_token
+    assert store.longest_prefix(prompt) == 48
+    plan_and_draft(offload, [req])
+    seen: list[bool] = []
+    offload.verify([req], verify_reading(s, req, seen), width=5)
+    assert seen == [True]
+
+
 def test_a_prompt_prefix_in_the_store_is_loaded_into_the_tree_for_the_next_request():
     """The first request's prompt went to the store (it stays out of the tree); the next request
     over the same document finds it through SGLang's own prefix match: the prefix's KV is loaded

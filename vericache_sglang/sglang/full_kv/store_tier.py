@@ -86,13 +86,27 @@ class StoreFullKV:
         handle = self.store.open_request(tokens, request_id=rid, shared=shared)
         n = int(prefix_slots.numel())
         try:
-            if n:
-                handle.write(0, read_full_kv(self.device_pool, prefix_slots, self.layout).layers)
+            adopted = self._adopt(handle, n) if shared else 0
+            if n > adopted:
+                handle.write(adopted, read_full_kv(self.device_pool, prefix_slots[adopted:], self.layout).layers)
         except BaseException:
             handle.release()
             raise
         self._handles[rid] = handle
         self._spans[rid] = (n, n)
+
+    def _adopt(self, handle: RequestKV, n: int) -> int:
+        """Take the whole shared chunks of the first ``n`` positions that the store already holds
+        (a prefix loaded from it, or one this server wrote) in one check, not chunk by chunk;
+        returns how many positions that is (0: not all there, they are written)."""
+        whole = min(n, handle.shared_end) // self.store.chunk_tokens * self.store.chunk_tokens
+        if not whole:
+            return 0
+        try:
+            handle.adopt_prefix(whole)
+        except StoreError:
+            return 0
+        return whole
 
     def extend(self, rid: str, tokens: Sequence[int]) -> None:
         """``tokens`` were committed after the request's known ones (their KV is offloaded next)."""
