@@ -11,9 +11,9 @@ prefix loaded from the store, a later chunk) is the same computation, and torch_
 same way (a 99-token question over a cached 2,880-token document cost as much attention as
 prefilling the document); it runs here too. A prefill from scratch, and every other pass, is
 ``torch_native``'s own. The worker selects it for its prefill and verify passes (``ForwardContext``
-override); a TARGET_VERIFY pass reads SGLang's own
-TARGET_VERIFY convention (``seq_lens`` the committed lengths, ``spec_info.draft_token_num`` the
-chain width). Registered as the ``vericache_torch_native`` attention backend too.
+override); a TARGET_VERIFY pass reads SGLang's own convention (``seq_lens`` the committed lengths,
+``spec_info.draft_token_num`` the chain width). Registered as the ``vericache_torch_native``
+attention backend too.
 """
 
 from __future__ import annotations
