@@ -6,10 +6,13 @@ log-probabilities are asked for, their largest difference is recorded (``exactne
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from vericache_sglang.bench.sglang_server import Answer, Ask, ask_all, document_prompt, tokenizer
+from vericache_sglang.bench.sglang_server import Answer, Ask, SGLangServer, ask_all, document_prompt, tokenizer
 
 # the drafting modifiers as the e2e tests run them (small budgets: a 1,000-token prompt keeps 64 rows)
 MODIFIERS = {"compressor": "snapkv:ratio=0.0625+refresh:ratio=0.0625,span=4+lookup", "horizon": 8, "full_kv": "device"}
@@ -33,6 +36,23 @@ def store_mode_config(store_url: str) -> dict:
         "store": store_url,
         "reload_room": 0.2,
     }
+
+
+@contextlib.contextmanager
+def stock_and_vericache(
+    logs: Path, name: str, args: tuple[str, ...], vericache: dict, env: dict[str, str] | None = None
+) -> Iterator[tuple[SGLangServer, SGLangServer]]:
+    """A stock server and a VeriCache one with the same ``args``, loaded side by side; both
+    stopped after."""
+    stock = SGLangServer(logs, f"stock-{name}", *args, env=env, wait=False)
+    ours = SGLangServer(logs, f"vericache-{name}", *args, env=env, vericache=vericache, wait=False)
+    try:
+        stock.wait_healthy()
+        ours.wait_healthy()
+        yield stock, ours
+    finally:
+        stock.stop()
+        ours.stop()
 
 
 def same_as_stock(

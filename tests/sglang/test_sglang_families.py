@@ -10,9 +10,9 @@ capture and the KV SGLang writes); Qwen2 and Mistral are in the heavy set."""
 from __future__ import annotations
 
 import pytest
-from sglang_e2e import COPY, PERSON_FORMAT, prompt, same_as_stock
+from sglang_e2e import COPY, PERSON_FORMAT, prompt, same_as_stock, stock_and_vericache
 
-from vericache_sglang.bench.sglang_server import Ask, SGLangServer
+from vericache_sglang.bench.sglang_server import Ask
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
@@ -33,15 +33,8 @@ def servers(request, sglang_logs):
 
     family = request.param
     args = ("--model-path", str(tiny_family(family)), "--disable-overlap-schedule")
-    stock = SGLangServer(sglang_logs, f"stock-{family}", *args, wait=False)
-    ours = SGLangServer(sglang_logs, f"vericache-{family}", *args, vericache=CONFIG, wait=False)
-    try:
-        stock.wait_healthy()
-        ours.wait_healthy()
+    with stock_and_vericache(sglang_logs, family, args, CONFIG) as (stock, ours):
         yield family, stock, ours
-    finally:
-        stock.stop()
-        ours.stop()
 
 
 def test_each_family_answers_as_stock(servers, exactness):

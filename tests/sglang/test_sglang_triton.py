@@ -19,9 +19,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import pytest
-from sglang_e2e import COPY, MODIFIERS, PERSON_FORMAT, prompt, same_as_stock, seeded_as_full_kv_sampling
+from sglang_e2e import (
+    COPY,
+    MODIFIERS,
+    PERSON_FORMAT,
+    prompt,
+    same_as_stock,
+    seeded_as_full_kv_sampling,
+    stock_and_vericache,
+)
 
-from vericache_sglang.bench.sglang_server import Ask, SGLangServer
+from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, metric_growth
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
@@ -41,16 +49,8 @@ def model():
 @pytest.fixture(scope="module")
 def servers(sglang_logs, model):
     pytest.importorskip("sglang.srt.entrypoints.http_server", reason="sglang is not installed")
-    args = ("--model-path", model, *TRITON)
-    stock = SGLangServer(sglang_logs, "stock-triton", *args, env=INTERPRETED, wait=False)
-    ours = SGLangServer(sglang_logs, "vericache-triton", *args, env=INTERPRETED, vericache=SNAPKV, wait=False)
-    try:
-        stock.wait_healthy()
-        ours.wait_healthy()
-        yield stock, ours
-    finally:
-        stock.stop()
-        ours.stop()
+    with stock_and_vericache(sglang_logs, "triton", ("--model-path", model, *TRITON), SNAPKV, INTERPRETED) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +75,12 @@ def test_triton_backend_answers_as_stock_through_its_masked_verify(servers, engi
         same_as_stock(stock, ours, questions, exactness, f"triton (interpreted, SmolLM2 {LAYERS} layers)")
         seeded.result()
     after = ours.metrics()
-
-    def ran(name: str) -> float:
-        return after[name] - before.get(name, 0.0)
-
     by_backend = ours.labelled("vericache_target_verify_forwards_total", "backend")
     assert set(by_backend) == {"TritonAttnBackend"}, by_backend  # the chain backend never ran
-    assert ran("vericache_target_verify_forwards_total") > 0
-    verifications, generated = ran("vericache_verify_passes_total"), ran("vericache_generated_tokens_total")
+    assert metric_growth(after, before, "vericache_target_verify_forwards_total") > 0
     # drafts over the private pool accepted: 6.8 tokens per verification here; 2.8 when the draft
     # passes read the target pool's rows through the runner's KV index translator
-    assert generated / verifications > 4.5, (generated, verifications)
+    assert accepted_length(after, before) > 4.5, accepted_length(after, before)
 
 
 @pytest.mark.slow

@@ -155,28 +155,29 @@ class SGLangServer:
         r.raise_for_status()
         return r.json()
 
-    def metrics(self) -> dict[str, float]:
-        """``/metrics`` samples by name (labels dropped; summed over label sets)."""
-        out: dict[str, float] = {}
+    def _samples(self) -> Iterator[tuple[str, dict[str, str], float]]:
+        """``/metrics`` as ``(name, labels, value)``, one per sample."""
         for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
             if not line or line.startswith("#"):
                 continue
             name_labels, _, value = line.rpartition(" ")
-            name = name_labels.split("{", 1)[0]
-            out[name] = out.get(name, 0.0) + float(value)
+            name, _, labels = name_labels.partition("{")
+            pairs = (pair.partition("=") for pair in labels.rstrip("}").split(",") if pair)
+            yield name, {key: val.strip('"') for key, _, val in pairs}, float(value)
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` samples by name (labels dropped; summed over label sets)."""
+        out: dict[str, float] = {}
+        for name, _, value in self._samples():
+            out[name] = out.get(name, 0.0) + value
         return out
 
     def labelled(self, name: str, label: str) -> dict[str, float]:
         """The samples of ``/metrics`` series ``name`` summed by the value of ``label``."""
         out: dict[str, float] = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
-            if not line.startswith(name + "{"):
-                continue
-            labels, _, value = line.rpartition(" ")
-            for pair in labels[len(name) + 1 : -1].split(","):
-                key, _, val = pair.partition("=")
-                if key == label:
-                    out[val.strip('"')] = out.get(val.strip('"'), 0.0) + float(value)
+        for sample, labels, value in self._samples():
+            if sample == name and label in labels:
+                out[labels[label]] = out.get(labels[label], 0.0) + value
         return out
 
     def stop(self) -> int:
