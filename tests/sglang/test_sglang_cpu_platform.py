@@ -1,6 +1,7 @@
-"""SGLang's CPU platform layer: the two kernel-package ops in torch, the stand-in ``sgl_kernel`` and
-how it is loaded (a ``.pth`` line, active only with ``SGLANG_USE_CPU_ENGINE=1``, never in front of
-a real ``sgl_kernel``)."""
+"""SGLang's CPU platform layer: the kernel-package ops in torch (the seeded draw's hash bit for bit
+SGLang's Triton kernel), the stand-in ``sgl_kernel`` and how it is loaded (a ``.pth`` line, active
+only with ``SGLANG_USE_CPU_ENGINE=1``, never in front of a real ``sgl_kernel``), and the opt-in
+answer to deterministic inference's batch-invariant set-up on CPU."""
 
 from __future__ import annotations
 
@@ -99,6 +100,54 @@ def test_import_only_names_raise_naming_the_op():
     for name in cpu_kernels.IMPORT_ONLY:
         with pytest.raises(NotImplementedError, match=f"sgl_kernel.{name} is not available"):
             table[name](torch.zeros(1))
+
+
+def test_murmur_hash32_is_sglangs_triton_kernel_bit_for_bit():
+    """The kernel runs under Triton's interpreter (conftest sets ``TRITON_INTERPRET=1``)."""
+    triton = pytest.importorskip("triton")
+    from sglang.kernels.ops.sampling.murmur_hash import murmur_hash32_kernel
+
+    seeds = torch.tensor([42, 7, -3, (1 << 62) + 12345, 0, 1 << 40], dtype=torch.int64).to(torch.uint64)
+    positions = torch.tensor([0, 5, 2047, 1 << 20, 99, (1 << 33) + 5], dtype=torch.int64)  # the kernel keeps 32 bits
+    cols = torch.arange(3000)
+    want = torch.empty((6, 3000), dtype=torch.uint32)
+    murmur_hash32_kernel[(6, triton.cdiv(3000, 1024))](seeds, positions, cols, want, 6, 3000, BLOCK_SIZE=1024)
+    got = cpu_kernels.murmur_hash32_cpu(seeds, positions, cols)
+    assert got.dtype == torch.uint32 and torch.equal(got.to(torch.int64), want.to(torch.int64))
+    assert len(set(got[0, :100].tolist())) == 100  # a hash, not a constant
+    with pytest.raises(ValueError, match="must be one shape"):
+        cpu_kernels.murmur_hash32_cpu(seeds, positions[:2], cols)
+
+
+def test_the_stand_in_registers_the_hash_where_sglangs_seeded_draw_calls_it():
+    probe = (
+        "import torch, sgl_kernel; from sglang.kernels.ops.sampling.murmur_hash import murmur_hash32;"
+        "from sglang.srt.utils.common import cpu_has_amx_support;"
+        "h = murmur_hash32(torch.tensor([1, 2]), torch.tensor([3, 4]), torch.arange(5));"
+        "print(tuple(h.shape), cpu_has_amx_support())"
+    )
+    result = _python(probe, _env(SGLANG_USE_CPU_ENGINE="1"))
+    assert result.returncode == 0 and "(2, 5)" in result.stdout, (
+        result.stdout,
+        result.stderr[-2000:],
+    )
+    assert result.stdout.split()[-1] == "False"  # SGLang stays off its AMX path
+
+
+def test_batch_invariant_mode_on_cpu_is_answered_only_with_the_switch():
+    """Without ``VERICACHE_CPU_DETERMINISTIC=1`` SGLang's own error stands; with it the call returns,
+    says so, and leaves torch's CPU kernels (nothing registered for aten)."""
+    probe = (
+        "import torch; from sglang.srt import batch_invariant_ops as b\n"
+        "try:\n b.enable_batch_invariant_mode(); print('answered', b.is_batch_invariant_mode_enabled())\n"
+        "except RuntimeError as e: print('refused:', e)"
+    )
+    stock = _python(probe, _env(SGLANG_USE_CPU_ENGINE="1"))
+    assert "refused: No supported accelerator" in stock.stdout, (stock.stdout, stock.stderr[-2000:])
+    switched = _python(probe, _env(SGLANG_USE_CPU_ENGINE="1", VERICACHE_CPU_DETERMINISTIC="1"))
+    assert "answered False" in switched.stdout, (switched.stdout, switched.stderr[-2000:])
+    assert "without batch-invariant kernels" in switched.stderr
+    assert "refused" in _python(probe, _env(VERICACHE_CPU_DETERMINISTIC="1")).stdout  # CPU engine off: untouched
 
 
 def test_sglang_pool_moves_kv_through_the_op():

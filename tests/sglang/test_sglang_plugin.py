@@ -102,6 +102,7 @@ def test_config_survives_pickling_to_a_subprocess():
         ({"horizon": 0}, (), "horizon must be in"),
         ({"full_kv": "disk"}, (), "full_kv must be one of"),
         ({"verification": "greedy"}, (), "'greedy' is now 'exact'"),
+        ({"verification": "rejection"}, ("--enable-deterministic-inference",), "draws its own noise"),
         ({"store": "ftp://x"}, (), "store scheme 'ftp'"),
         ({"horizn": 8}, (), "unknown keys ['horizn']"),
         ({}, ("--tp-size", "2"), "tensor parallelism"),

@@ -97,6 +97,11 @@ def _unsupported(server_args: ServerArgs, cfg: VeriCacheConfig) -> list[str]:
                 f"prefill/decode disaggregation with full_kv={cfg.full_kv}: a retraction backup would read "
                 "rows whose KV is off the device"
             )
+    if cfg.verification == "rejection" and getattr(server_args, "enable_deterministic_inference", False):
+        problems.append(
+            "--enable-deterministic-inference with verification 'rejection': rejection sampling draws its own "
+            "noise, so the tokens would not be SGLang's seeded ones (use 'exact')"
+        )
     if int(getattr(server_args, "tp_size", 1) or 1) > 1:
         problems.append("tensor parallelism (--tp-size > 1): the compressed pool is not sharded yet")
     if int(getattr(server_args, "pp_size", 1) or 1) > 1:

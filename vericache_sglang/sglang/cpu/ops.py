@@ -5,6 +5,11 @@ import time. Its CPU build is compiled from source for AVX-512/AMX machines and 
 other CPUs SGLang runs its native (torch) layers and torch_native attention, and needs only the two
 ops below. ``platform`` serves this module as ``sgl_kernel`` where no real one is installed.
 
+- ``murmur_hash32_cpu``: the hash behind SGLang's seeded draw (``multinomial_with_seed``, taken
+  with ``--enable-deterministic-inference``), which SGLang calls as
+  ``torch.ops.sgl_kernel.murmur_hash32_cpu`` on CPU tensors; the twin of its Triton
+  ``murmur_hash32_kernel`` (``sglang/kernels/ops/sampling/murmur_hash.py``), bit for bit.
+
 - ``copy_all_layer_kv_cache_cpu``: KV row moves inside the pool (``memory_pool.py``: pool set-up,
   ``move_kv_cache``), all layers at once through the buffers' base addresses.
 - ``assign_req_to_token_pool_cpu``: writes freshly allocated slots into ``req_to_token`` rows
@@ -72,11 +77,61 @@ def assign_req_to_token_pool_cpu(
         raise ValueError(f"assign_req_to_token_pool_cpu: {offset} slots asked, {out_cache_loc.numel()} given")
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for ``x < 2**32`` in int64, in 16-bit halves so no product overflows."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def _murmur3_mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
+    h = _rotl32(h ^ k, 13)
+    return (_mul32(h, 5) + 0xE6546B64) & _M32
+
+
+def murmur_hash32_cpu(seed: torch.Tensor, positions: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
+    """``[n, m]`` uint32 MurmurHash3 of (seed ``[n]`` as two 32-bit blocks, position ``[n]``, column
+    ``[m]``): the blocks SGLang's Triton kernel mixes, in its order, with its finaliser."""
+    if seed.shape != positions.shape or seed.dim() != 1 or col_indices.dim() != 1:
+        raise ValueError(
+            f"murmur_hash32_cpu: seed {tuple(seed.shape)} and positions {tuple(positions.shape)} must be one "
+            f"shape (n,), col_indices {tuple(col_indices.shape)} 1-D"
+        )
+    s = seed.to(torch.int64)  # a uint64 seed's bits; & and >> below read them as the kernel does
+    h = torch.zeros((), dtype=torch.int64)
+    h = _murmur3_mix(h, s & _M32)
+    h = _murmur3_mix(h, (s >> 32) & _M32)
+    h = _murmur3_mix(h, positions.to(torch.int64) & _M32)[:, None]
+    h = _murmur3_mix(h, (col_indices.to(torch.int64) & _M32)[None, :]) ^ 16
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return (h ^ (h >> 16)).to(torch.uint32)
+
+
+def register_torch_ops() -> None:
+    """``torch.ops.sgl_kernel.murmur_hash32_cpu``, where SGLang's seeded draw calls it on CPU (once;
+    ``convert_weight_packed`` stays unregistered, so SGLang stays off its AMX path)."""
+    if hasattr(torch.ops.sgl_kernel, "murmur_hash32_cpu"):
+        return
+    name = "sgl_kernel::murmur_hash32_cpu"
+    torch.library.define(name, "(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor")
+    torch.library.impl(name, "CPU")(murmur_hash32_cpu)
+
+
 def _not_provided(name: str) -> Callable[..., Any]:
     def op(*args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
             f"sgl_kernel.{name} is not available on this CPU: SGLang's CPU kernel package is not installed, "
-            f"and {SOURCE} supplies only copy_all_layer_kv_cache_cpu and assign_req_to_token_pool_cpu. "
+            f"and {SOURCE} supplies only copy_all_layer_kv_cache_cpu, assign_req_to_token_pool_cpu, "
+            "murmur_hash32_cpu. "
             "EAGLE/n-gram speculative decoding needs the real sgl_kernel CPU build."
         )
 

@@ -9,9 +9,17 @@ imports neither torch nor sglang.
 
 The finder is appended to the *end* of ``sys.meta_path``: Python's own path finder runs first, so
 a real ``sgl_kernel`` (its CPU build, or a CUDA build on a GPU machine) is always the one imported;
-the stand-in is built only when nothing else provides the name. It provides the two CPU ops SGLang
-calls on this path and the import-only names (``ops``). ``torch.ops.sgl_kernel`` stays
-empty, which keeps SGLang off its AMX path (it probes ``convert_weight_packed`` there).
+the stand-in is built only when nothing else provides the name. It provides the CPU ops SGLang
+calls on this path and the import-only names (``ops``). ``torch.ops.sgl_kernel`` holds only
+``murmur_hash32_cpu``, which keeps SGLang off its AMX path (it probes ``convert_weight_packed``).
+
+**Seeded sampling on CPU** (opt-in, ``VERICACHE_CPU_DETERMINISTIC=1``). SGLang honours a request's
+``seed`` only with ``--enable-deterministic-inference``, whose set-up registers batch-invariant
+Triton matmuls for the accelerator's dispatch key and raises "No supported accelerator" on a CPU
+(interpreted, its lm_head matmul alone takes 16 s). With the switch, that one call is answered on
+CPU by leaving torch's CPU kernels in place (logged): SGLang's seeded sampler then runs as on a GPU,
+but outputs are batch-invariant only as far as torch's CPU kernels are. Tests use it to have a
+stock reference for seeded requests; without the switch SGLang's own error stands.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from collections.abc import Sequence
 
 MODULE = "sgl_kernel"
 ENV = "SGLANG_USE_CPU_ENGINE"
+DETERMINISTIC_ENV = "VERICACHE_CPU_DETERMINISTIC"
+BATCH_INVARIANT = "sglang.srt.batch_invariant_ops"
 
 
 def cpu_engine_requested() -> bool:
@@ -40,6 +50,7 @@ class _StandInLoader(importlib.abc.Loader):
         from vericache_sglang.sglang.cpu import ops as cpu_kernels
 
         table = cpu_kernels.ops()
+        cpu_kernels.register_torch_ops()
         module.__dict__.update(table)
         module.__all__ = sorted(table)
         module.__doc__ = f"Stand-in for SGLang's CPU kernel package, from {cpu_kernels.SOURCE}."
@@ -65,12 +76,55 @@ class SglKernelStandIn(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(MODULE, _StandInLoader(), origin="vericache-cpu-stand-in")
 
 
+def _cpu_batch_invariant_mode(*args: object, **kwargs: object) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "%s=1: --enable-deterministic-inference on CPU without batch-invariant kernels (SGLang has none "
+        "for CPU): SGLang's seeded sampler runs, torch's CPU matmuls stay",
+        DETERMINISTIC_ENV,
+    )
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real module, then answers its accelerator-only entry point on CPU."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.loader.exec_module(module)
+        module.enable_batch_invariant_mode = _cpu_batch_invariant_mode
+
+
+class CpuBatchInvariantMode(importlib.abc.MetaPathFinder):
+    """Finds SGLang's ``batch_invariant_ops`` package through the path finder and patches one name."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != BATCH_INVARIANT:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
 def install() -> bool:
-    """Append the stand-in finder (once) when SGLang's CPU engine is requested; returns whether it is on."""
+    """Append the stand-in finder (once) when SGLang's CPU engine is requested, and with the
+    deterministic switch put the batch-invariant answer first; returns whether the stand-in is on."""
     if not cpu_engine_requested():
         return False
     if not any(isinstance(f, SglKernelStandIn) for f in sys.meta_path):
         sys.meta_path.append(SglKernelStandIn())
+    if os.environ.get(DETERMINISTIC_ENV, "0") == "1" and not any(
+        isinstance(f, CpuBatchInvariantMode) for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, CpuBatchInvariantMode())
     return True
 
 

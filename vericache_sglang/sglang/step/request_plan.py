@@ -1,9 +1,11 @@
 """How the worker serves each request, decided once when its prefill completes.
 
 - **drafted** (the VeriCache path): ``horizon`` drafts over the compressed KV each step, verified
-  by the core: greedy, or the core's position-keyed sampler for temperature / top_k / top_p / a
-  seed; a grammar (``response_format``, regex, EBNF) masks drafts and verification alike
-  (``grammar_masks``). The first token, drawn at prefill, is the core's draw too.
+  by the core: greedy, or a position-keyed sampler for temperature / top_k / top_p / a seed (with
+  ``--enable-deterministic-inference`` SGLang's own seeded draw, ``seeded_draw``, so the tokens are
+  stock's; without it stock ignores seeds and the core's sampler draws); a grammar
+  (``response_format``, regex, EBNF) masks drafts and verification alike (``grammar_masks``). The
+  first token, drawn at prefill, is that sampler's draw too.
 - **own**: settings only SGLang's own sampler applies (penalties, ``min_p``, ``logit_bias``,
   ``min_new_tokens``, a custom logit processor, a watermark): the request is decoded one
   verified token per step, its token chosen by SGLang's sampler from the full-KV logits at its
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vericache_sglang.core.sampling import Sampler, SamplingParams
+from vericache_sglang.sglang.step.seeded_draw import DEFAULT_SEED, BatchPath, SGLangSeededSampler
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -39,15 +42,18 @@ class Plan:
         return not self.own
 
 
-def core_sampling(params: SGLangSamplingParams, rid: str) -> SamplingParams:
+def core_sampling(params: SGLangSamplingParams, rid: str, default_seed: int | None = None) -> SamplingParams:
     """The core's sampling parameters for an SGLang request's ``SamplingParams``.
 
-    SGLang encodes temperature 0 as ``top_k=1``. A request without a ``sampling_seed`` gets one from
-    its id, so its draws are keyed by (seed, position) like all."""
+    SGLang encodes temperature 0 as ``top_k=1``. A request without a ``sampling_seed`` gets
+    ``default_seed`` or, without one, a seed from its id, so its draws are keyed by (seed, position)
+    like all."""
     if int(params.top_k) == 1:
         return SamplingParams()
     top_k = int(params.top_k)
-    seed = params.sampling_seed if params.sampling_seed is not None else zlib.crc32(rid.encode())
+    seed = params.sampling_seed
+    if seed is None:
+        seed = default_seed if default_seed is not None else zlib.crc32(rid.encode())
     return SamplingParams(
         temperature=float(params.temperature),
         top_k=0 if top_k <= 0 or top_k >= TOP_K_ALL else top_k,
@@ -79,5 +85,10 @@ def own_settings(req: Req) -> tuple[str, ...]:
     return tuple(own)
 
 
-def plan_request(req: Req) -> Plan:
-    return Plan(own_settings(req), Sampler(core_sampling(req.sampling_params, req.rid)))
+def plan_request(req: Req, seeded: BatchPath | None = None) -> Plan:
+    """``seeded``: SGLang's deterministic inference is on; drafted requests draw as its sampler does."""
+    if seeded is None:
+        return Plan(own_settings(req), Sampler(core_sampling(req.sampling_params, req.rid)))
+    params = req.sampling_params
+    core = core_sampling(params, req.rid, DEFAULT_SEED)
+    return Plan(own_settings(req), SGLangSeededSampler(core, int(params.top_k), float(params.top_p), seeded))

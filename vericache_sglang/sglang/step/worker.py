@@ -15,19 +15,17 @@ pool and plans the request (``request_plan``). A decode step, for every running 
    the core's staggered scheduler, reloads (fetches) start during them, the verify pass runs per
    group, each reload lent to its request's row, and what the store did not deliver is
    recomputed from the committed tokens first.
-3. The core decides per request (``core.accept``: greedy, or its position-keyed sampler; the same
-   grammar masks on the full-KV logits). Requests whose settings only SGLang's sampler applies
-   ("own" in ``request_plan``) take SGLang's own sample at their seed position: one verified
-   token per step, exactly a stock decode step's choice.
+3. The core decides per request (``core.accept``: greedy, or a position-keyed sampler, SGLang's
+   own seeded draw under deterministic inference; the same grammar masks on the full-KV logits).
+   Requests whose settings only SGLang's sampler applies ("own" in ``request_plan``) take its
+   sample at their seed position: one verified token per step, a stock decode step's choice.
 4. The committed tokens' exact K/V goes into the compressed KV (the compressor's ``update``; with
    ``+refresh`` rows re-chosen by the verify pass's queries over the full KV, still in the pool or
    lent) and, offloaded, leaves the device for its tier. The correction or bonus token is the
    next seed (no K/V yet), as in SGLang's own spec-v2 convention.
 
-Tested on CPU in real SGLang server processes (``tests/sglang/test_sglang_e2e*.py``, torch_native
-attention). On a GPU (flashinfer, triton, fa3) unverified: no machine here has a GPU with sglang;
-``benchmarks/sglang_gpu.sh`` is the check to run there. Not done yet: offloading asynchronously
-(the step waits for each device-to-host copy or store write before freeing the slots).
+Tested on CPU in real SGLang servers (torch_native; triton under Triton's interpreter). On a GPU
+unverified: no machine here has a GPU with sglang. Not done: offloading asynchronously.
 """
 
 from __future__ import annotations
@@ -59,6 +57,7 @@ from vericache_sglang.sglang.step.forward import ForwardBuilder
 from vericache_sglang.sglang.step.grammar_masks import ChainMasks
 from vericache_sglang.sglang.step.passes import Passes
 from vericache_sglang.sglang.step.request_plan import Plan, plan_request
+from vericache_sglang.sglang.step.seeded_draw import BatchPath
 from vericache_sglang.sglang.step.step_output import step_output
 
 if TYPE_CHECKING:
@@ -93,6 +92,8 @@ class VeriCacheWorker(BaseSpecWorker):
         self.speculative_num_draft_tokens = cfg.num_draft_tokens
         self.speculative_num_steps = cfg.horizon
         self.topk = 1
+        # deterministic inference: SGLang's seeded draw, on the path the running batch takes in stock
+        self._seeded = BatchPath() if server_args.enable_deterministic_inference else None
         # set up by alloc_memory_pool and init_attention_backends, in the order the scheduler calls them
         self.layout: KVLayout | None = None
         self.draft_pool: CompressedDraftPool | None = None
@@ -242,16 +243,13 @@ class VeriCacheWorker(BaseSpecWorker):
             self._capture.keep(req.rid, offset - ext, offset)
             if seq_len < len(req.origin_input_ids):
                 continue  # a chunk of a chunked prefill: compress once the whole prompt has KV
-            plan = self._plans[req.rid] = plan_request(req)
+            plan = self._plans[req.rid] = plan_request(req, self._seeded)
             if plan.own:
                 self._capture.forget(req.rid)
-                logger.info(
-                    "VeriCache: request %s is decoded one verified token per step (SGLang's sampler applies %s)",
-                    req.rid,
-                    ", ".join(plan.own),
-                )
+                own = ", ".join(plan.own)
+                logger.info("VeriCache: request %s: one verified token a step (SGLang samples %s)", req.rid, own)
                 continue
-            if not plan.sampler.params.greedy:
+            if not plan.sampler.params.greedy and self._seeded is None:  # seeded: SGLang's draw above
                 # the first token is the core's draw at its position, as in full-KV sampling
                 token = plan.sampler.sample(logits[i : i + 1].float(), [seq_len])[0]
                 next_ids[i] = token.to(next_ids.dtype)
@@ -309,6 +307,8 @@ class VeriCacheWorker(BaseSpecWorker):
         seeds = batch.spec_info.seeds.to(self.device)
         committed = batch.seq_lens.to(torch.int64)
         plans = [self._plans[req.rid] for req in reqs]
+        if self._seeded is not None:
+            self._seeded.follow(batch.sampling_info)
         drafting = [
             i
             for i, (req, plan) in enumerate(zip(reqs, plans, strict=True))
