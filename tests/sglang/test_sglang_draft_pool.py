@@ -1,6 +1,7 @@
 """The worker's CPU-runnable parts on SGLang's own pool objects, with SmolLM2's real KV: the private
-compressed draft pool (admit, commit through the compressor's update and refresh, release) and the packing of
-the core's verdicts into the tensors SGLang's scheduler reads."""
+compressed draft pool (admit, commit through the compressor's update and refresh, release; for a
+quantizer the dequantizing pool, one layer at a time) and the packing of the core's verdicts into
+the tensors SGLang's scheduler reads."""
 
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def _row_kv(pool: CompressedDraftPool, rid: str):
     return read_full_kv(pool.token_to_kv_pool, slots, pool.layout)
 
 
-@pytest.mark.parametrize("spec", ["snapkv:ratio=0.125", "streamingllm:sink=4,window=256"])
+QUANTIZED = ["kivi:bits=4,group=64,residual=64", "snapkv:ratio=0.4+kivi:bits=2,group=32,residual=32", "int8"]
+
+
+@pytest.mark.parametrize("spec", ["snapkv:ratio=0.125", "streamingllm:sink=4,window=256", *QUANTIZED])
 def test_admit_commit_release_on_sglang_pools(real_engine, prefills, spec):
     tokens, pre, pre_more = prefills
     layout = real_engine.runner.layout
@@ -62,8 +66,9 @@ def test_admit_commit_release_on_sglang_pools(real_engine, prefills, spec):
     reference = copy.deepcopy(ckv)
     pool.admit("r1", ckv, len(tokens))
     kept = pool.kept_len("r1")
-    assert kept == reference.layers[0].num_tokens < len(tokens)
+    assert kept == reference.layers[0].num_tokens <= len(tokens)
     assert pool.scratch_slots("r1").numel() == HORIZON
+    assert pool.quantized == (spec in QUANTIZED)
     # the row a draft pass attends over holds exactly the compressor's kept K/V, layer by layer
     row = _row_kv(pool, "r1")
     for (k, v), layer in zip(row.layers, reference.layers, strict=True):
@@ -89,6 +94,44 @@ def test_admit_commit_release_on_sglang_pools(real_engine, prefills, spec):
     pool.release("r1")
     assert pool.allocator.available_size() == free_tokens
     assert pool.req_to_token_pool.available_size() == free_rows
+
+
+def test_a_quantizers_pool_holds_one_layer_and_keeps_drafted_kv_in_the_rows_lane(real_engine, prefills):
+    """Codes stay in the compressed KV; the pool dequantizes the layer asked for into one workspace
+    shared by every layer, and a draft pass's K/V goes into the row's scratch lane, per layer."""
+    tokens, pre, _ = prefills
+    layout = real_engine.runner.layout
+    pool = _pool(layout, QUANTIZED[1])
+    kv_pool = pool.token_to_kv_pool
+    ckv = parse_spec(QUANTIZED[1]).compress(pre.kv, pre.obs)
+    pool.admit("r1", ckv, len(tokens))
+    assert kv_pool.k_buffer[0] is kv_pool.k_buffer[layout.num_layers - 1]  # one layer's workspace
+    plain = layout.num_layers * (kv_pool.size + 1) * 2 * layout.num_kv_heads * layout.head_dim * 4
+    assert kv_pool.nbytes() <= plain / layout.num_layers  # one layer of a full-precision pool of the same slots
+    assert ckv.nbytes < pre.kv.nbytes / 8  # the codes: 2-bit of 0.4 of the tokens, with scales
+
+    class Layer:
+        def __init__(self, layer_id: int):
+            self.layer_id = layer_id
+
+    lane = pool.scratch_slots("r1")
+    g = torch.Generator().manual_seed(0)
+    drafted = [torch.randn(2, layout.num_kv_heads, layout.head_dim, generator=g) for _ in range(layout.num_layers)]
+    for layer in range(layout.num_layers):
+        kv_pool.set_kv_buffer(Layer(layer), lane[:2], drafted[layer], -drafted[layer])
+    assert kv_pool.nbytes() > plain / layout.num_layers  # the row's scratch lane, every layer, in full precision
+    for layer in (3, 0, layout.num_layers - 1):  # any order: each read refills the workspace with its layer
+        k_ws, v_ws = kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer)
+        assert torch.equal(k_ws[lane[:2]], drafted[layer]) and torch.equal(v_ws[lane[:2]], -drafted[layer])
+        rk, _ = ckv.layers[layer].read()
+        assert torch.equal(k_ws[pool.req_to_token_pool.req_to_token[pool.row_index("r1"), 0].long()], rk[:, 0])
+    with pytest.raises(ValueError, match="scratch slots only"):
+        kv_pool.set_kv_buffer(
+            Layer(0),
+            pool.req_to_token_pool.req_to_token[pool.row_index("r1"), :1].long(),
+            drafted[0][:1],
+            drafted[0][:1],
+        )
 
 
 def test_commit_with_refresh_rechooses_the_rows_the_core_would(real_engine, prefills):

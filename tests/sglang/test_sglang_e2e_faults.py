@@ -43,9 +43,9 @@ BAD = [
         "--enable-vericache sets --speculative-algorithm 'VERICACHE', but --speculative-algorithm 'EAGLE' was given",
     ),
     (
-        "a quantizing compressor",
-        ["--enable-vericache", "--vericache-config", json.dumps({"compressor": "kivi:bits=2"})],
-        "is a quantization compressor; the SGLang worker drafts over a token-dropping compressed pool only",
+        "a query-aware sparse compressor",
+        ["--enable-vericache", "--vericache-config", json.dumps({"compressor": "quest"})],
+        "is a sparse compressor; the SGLang worker drafts over token droppers and quantizers",
     ),
     (
         "an attention backend VeriCache cannot verify with",

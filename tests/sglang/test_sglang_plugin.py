@@ -98,7 +98,8 @@ def test_config_survives_pickling_to_a_subprocess():
     ("config", "extra", "message"),
     [
         ({"compressor": "h3o"}, (), "unknown compressor 'h3o'"),
-        ({"compressor": "kivi:bits=2"}, (), "quantization compressor"),
+        ({"compressor": "quest"}, (), "is a sparse compressor"),
+        ({"compressor": "kvquant:bits=4"}, (), "it needs rope from the model"),
         ({"horizon": 0}, (), "horizon must be in"),
         ({"full_kv": "disk"}, (), "full_kv must be one of"),
         ({"verification": "greedy"}, (), "'greedy' is now 'exact'"),

@@ -115,6 +115,28 @@ def sampled_as_stock(stock: SGLangServer, ours: SGLangServer, exactness, name: s
                 max_tokens=16,
                 params={"temperature": 1.0, "seed": 5, **_top(20)},
             ),
+            # SGLang's own sampler at every step (logit bias, a frequency penalty), top log-probs, a stop string
+            Ask(
+                text,
+                "completion",
+                max_tokens=12,
+                params={"temperature": 0.8, "top_p": 0.9, "seed": 6, "logit_bias": {"13": 5.0}},
+            ),
+            Ask(
+                text,
+                "chat",
+                max_tokens=12,
+                params={"temperature": 0.8, "top_p": 0.9, "seed": 10, "frequency_penalty": 0.7},
+            ),
+            Ask(
+                text, "completion", max_tokens=12, params={"temperature": 0.8, "top_p": 0.9, "seed": 12, "logprobs": 3}
+            ),
+            Ask(
+                text,
+                "completion",
+                max_tokens=24,
+                params={"temperature": 0.8, "top_p": 0.9, "seed": 13, "stop": [" and"]},
+            ),
         ]
         plain_path.append(
             Ask("Name three colours.", "chat", stream=True, max_tokens=16, params={"temperature": 1.0, "seed": 8})
@@ -153,7 +175,7 @@ def test_every_sampled_kind_is_stocks_with_the_full_kv_on_the_device_and_in_host
         model,
         *TRITON,
         env=INTERPRETED,
-        vericache={**SNAPKV, "full_kv": "host"},
+        vericache={**SNAPKV, "full_kv": "host", "reload_room": 0.2, "host_pool_ratio": 1.0},
     )
     try:
         sampled_as_stock(stock, host, exactness, "triton host", every_kind=True)

@@ -63,10 +63,17 @@ def _unsupported_by_worker(compressor: Compressor | type[Compressor]) -> str:
     return ""
 
 
+# What the draft pool holds: kept exact rows (a dropper) or codes dequantized a layer at a time
+# (a quantizer, alone or after a dropper: ``draft/dequant_pool.py``).
+WORKER_KINDS = ("dropping", "quantization", "composed")
+
+
 def sglang_compressors() -> list[str]:
-    """The registered compressors the SGLang worker can draft with."""
+    """The registered compressors the SGLang worker can draft with (quantizers also after a dropper)."""
     return [
-        name for name, cls in sorted(COMPRESSORS.items()) if cls.kind == "dropping" and not _unsupported_by_worker(cls)
+        name
+        for name, cls in sorted(COMPRESSORS.items())
+        if cls.kind in WORKER_KINDS and not _unsupported_by_worker(cls)
     ]
 
 
@@ -85,12 +92,11 @@ class VeriCacheConfig:
             compressor = parse_spec(self.compressor)
         except SpecError as e:
             raise VeriCacheConfigError(f"vericache-config compressor: {e}") from None
-        if compressor.kind != "dropping":
-            # SGLang's attention kernels read a plain KV pool; a quantized pool needs the
-            # dequantize-fused draft kernels (kernels/), which the SGLang worker does not use yet.
+        if compressor.kind not in WORKER_KINDS:
+            # a sparse (query-aware) layer reads a different subset per query: no one KV row per request
             raise VeriCacheConfigError(
                 f"vericache-config compressor {compressor.spec!r} is a {compressor.kind} compressor; the SGLang "
-                f"worker drafts over a token-dropping compressed pool only ({', '.join(sglang_compressors())})"
+                f"worker drafts over token droppers and quantizers ({', '.join(sglang_compressors())})"
             )
         why = _unsupported_by_worker(compressor)
         if why:

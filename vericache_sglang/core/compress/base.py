@@ -33,7 +33,7 @@ class Compressor(ABC):
     - ``kind`` (required; ``KeepingDropper`` and ``QuantizingCompressor`` set it): ``"dropping"``,
       ``"sparse"``, ``"quantization"`` or ``"composed"``. ``Composed`` takes a ``"dropping"`` first part,
       ``Refreshed`` refuses ``"quantization"``, ``sglang/config.py`` lets the SGLang worker draft over
-      ``"dropping"`` only; reported by ``describe_compressors``.
+      all but ``"sparse"``; reported by ``describe_compressors``.
     - ``Params`` (required): a dataclass, one field per spec parameter with its default, documented as the
       ``*Params`` classes here are. ``__init__`` builds ``self.params`` from it; ``parse_spec`` converts each
       ``key=value`` by the field's type (so ``int``, ``float``, ``str`` or ``bool``); ``base_spec`` spells

@@ -8,6 +8,10 @@ verification the request's compressed KV is updated through the compressor's ``u
 *committed* tokens' exact K/V (read from the target pool the verify pass wrote), its refreshed
 rows re-chosen (``+refresh``: from the verify pass's attention over the full KV, still on the
 device), and the row is rewritten from it. The draft attention backend (attention.py) reads these pools.
+
+A quantizing compressor's rows (``quantized``) keep their codes in the compressed KV only; the
+private pool is then a ``DequantizingKVPool`` (``dequant_pool.py``): one layer dequantized where
+attention reads it.
 """
 
 from __future__ import annotations
@@ -23,10 +27,19 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from vericache_sglang.core.compress import Compressor
 from vericache_sglang.core.kv import CompressedKV, FullKV
 from vericache_sglang.sglang.draft.attention import DraftPools
+from vericache_sglang.sglang.draft.dequant_pool import DequantizingKVPool
 from vericache_sglang.sglang.pool_kv import write_kept_tokens
 
 if TYPE_CHECKING:
     from vericache_sglang.core.kv import KVLayout
+
+
+def draft_capacity(compressor: Compressor, target_tokens: int) -> int:
+    """Kept-token slots of the private pool: half the target pool's tokens for a token dropper
+    (each slot a full-precision token of every layer); all of them for a quantizer, whose slot
+    costs one layer's workspace (its codes live in the compressed KV)."""
+    share = 1.0 if compressor.kind in ("quantization", "composed") else 0.5
+    return max(4096, int(target_tokens * share))
 
 
 class DraftPoolFull(RuntimeError):
@@ -66,16 +79,29 @@ class CompressedDraftPool:
         self.req_to_token_pool = ReqToTokenPool(
             size=max_requests, max_context_len=max_context_len, device=device, enable_memory_saver=False
         )
-        self.token_to_kv_pool = MHATokenToKVPool(
-            size=capacity_tokens,
-            page_size=1,
-            dtype=layout.dtype,
-            head_num=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            layer_num=layout.num_layers,
-            device=device,
-            enable_memory_saver=False,
-        )
+        self.quantized = compressor.kind in ("quantization", "composed")
+        if self.quantized:
+            self.token_to_kv_pool = DequantizingKVPool(
+                layout=layout,
+                capacity=capacity_tokens,
+                scratch=self.scratch,
+                device=device,
+                rows=lambda: (
+                    (row.index, row.slots[: -self.scratch], row.slots[-self.scratch :], row.kv)
+                    for row in self.rows.values()
+                ),
+            )
+        else:
+            self.token_to_kv_pool = MHATokenToKVPool(
+                size=capacity_tokens,
+                page_size=1,
+                dtype=layout.dtype,
+                head_num=layout.num_kv_heads,
+                head_dim=layout.head_dim,
+                layer_num=layout.num_layers,
+                device=device,
+                enable_memory_saver=False,
+            )
         self.allocator = TokenToKVPoolAllocator(
             size=capacity_tokens, dtype=layout.dtype, device=device, kvcache=self.token_to_kv_pool, need_sort=False
         )
@@ -133,6 +159,8 @@ class CompressedDraftPool:
             return
         self.allocator.free(row.slots)
         self.req_to_token_pool.free_rows([row.index])
+        if self.quantized:
+            self.token_to_kv_pool.forget(row.index)
 
     # -- what a draft pass reads ------------------------------------------------------------------
 
@@ -160,6 +188,9 @@ class CompressedDraftPool:
         slots = self.allocator.alloc(kept + self.scratch)
         if slots is None:
             raise DraftPoolFull(f"no room for {kept + self.scratch} draft tokens")
-        write_kept_tokens(self.token_to_kv_pool, slots[:kept], row.kv)
+        if self.quantized:
+            self.token_to_kv_pool.changed()  # the rows are read, dequantized, when attention asks
+        else:
+            write_kept_tokens(self.token_to_kv_pool, slots[:kept], row.kv)
         self.req_to_token_pool.write((row.index, slice(0, slots.numel())), slots.to(torch.int32))
         row.slots = slots

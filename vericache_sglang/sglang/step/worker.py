@@ -46,7 +46,7 @@ from vericache_sglang.core.accept import Verdict
 from vericache_sglang.core.compress import parse_spec
 from vericache_sglang.core.sampling import Sampler
 from vericache_sglang.sglang.draft.attention import RUNNER_ATTR
-from vericache_sglang.sglang.draft.pool import CompressedDraftPool
+from vericache_sglang.sglang.draft.pool import CompressedDraftPool, draft_capacity
 from vericache_sglang.sglang.hooks import config_of
 from vericache_sglang.sglang.metrics import WorkerMetrics, metrics_enabled
 from vericache_sglang.sglang.pool_kv import PoolParts, pool_layout, read_full_kv
@@ -133,8 +133,7 @@ class VeriCacheWorker(BaseSpecWorker):
         runner = self.model_runner
         target_pool = runner.token_to_kv_pool
         self.layout = pool_layout(target_pool, str(runner.model_config.model_path))
-        # The compressed pool gets the share of the target pool the compressor's ratio implies.
-        capacity = max(4096, int(target_pool.size * 0.5))
+        capacity = draft_capacity(self.compressor, target_pool.size)
         self.draft_pool = CompressedDraftPool(
             layout=self.layout,
             capacity_tokens=capacity,
