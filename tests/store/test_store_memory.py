@@ -76,8 +76,14 @@ def test_prefix_reuse_loads_exact_kv_and_skips_existing_writes():
     prefix = store.load_prefix(list(range(40)), 32)
     assert torch.equal(prefix.layers[1][0], kv[1][0][:, :32])
     req2 = store.open_request(list(range(34)))
+    calls: list[tuple[str, int]] = []
+    for name in ("pin", "exists_many"):
+        method = getattr(backend, name)
+        setattr(backend, name, lambda keys, _m=method, _n=name: calls.append((_n, len(keys))) or _m(keys))
     req2.write(0, [(k[:, :34], v[:, :34]) for k, v in kv])
     assert backend.stats()["puts"] - puts == 3  # only its own tail chunk (per layer) was written
+    # one pin for the write's three chunks (all layers), one existence check for its two shared ones
+    assert calls == [("pin", 9), ("exists_many", 6)]
 
 
 def test_keys_are_salted_by_model_layout_and_namespace():

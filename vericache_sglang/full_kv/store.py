@@ -278,6 +278,15 @@ class RequestKV:
             self._pinned.extend(keys)
             self.stored = n
 
+    def _held_shared(self, per_ref: list[list[str]], owners: list[str | None]) -> set[int]:
+        """Indices of the shared chunks (no owner) whose every layer the store already holds."""
+        shared = [i for i, owner in enumerate(owners) if owner is None]
+        if not shared:
+            return set()
+        found = self.store.backend.exists_many([key for i in shared for key in per_ref[i]])
+        n = self.store.layout.num_layers
+        return {i for j, i in enumerate(shared) if all(found[j * n : (j + 1) * n])}
+
     def write(
         self, start: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *, skip_existing_shared: bool = True
     ) -> None:
@@ -297,15 +306,21 @@ class RequestKV:
                 ]
             refs = [r for r in store.refs(self.tokens, start + n) if r.end > chunk0]
             old_tail = [r for r in store.refs(self.tokens, start) if r.start == chunk0 and r.end > chunk0]
-            shared_items, private_items, all_new, private = [], [], [], []
-            for ref in refs:
-                owner = self._owner(ref)
-                keys = [store.key(ref, layer, owner) for layer in range(store.layout.num_layers)]
-                # Pinned before they are written, so no other writer can evict them in between.
-                store.backend.pin(keys)
-                self._pinned.extend(keys)
-                all_new.extend(keys)
-                if owner is None and skip_existing_shared and all(store.backend.exists_many(keys)):
+            shared_items, private_items, private = [], [], []
+            owners = [self._owner(ref) for ref in refs]
+            per_ref = [
+                [store.key(ref, layer, owner) for layer in range(store.layout.num_layers)]
+                for ref, owner in zip(refs, owners, strict=True)
+            ]
+            all_new = [key for keys in per_ref for key in keys]
+            # Pinned before they are written, so no other writer can evict them in between: one
+            # round trip for the whole write, and one existence check for its shared chunks.
+            if all_new:
+                store.backend.pin(all_new)
+            self._pinned.extend(all_new)
+            held = self._held_shared(per_ref, owners) if skip_existing_shared else set()
+            for i, (ref, owner, keys) in enumerate(zip(refs, owners, per_ref, strict=True)):
+                if i in held:
                     continue
                 lo, hi = ref.start - chunk0, ref.end - chunk0
                 out = shared_items if owner is None else private_items

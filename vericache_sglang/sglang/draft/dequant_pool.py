@@ -15,8 +15,8 @@ A row's slots come from the caller's allocator, as in the plain pool: its kept t
 every layer in full precision (the later draft passes of the same step read it) and copied into
 the workspace with the layer.
 
-On CPU the dequantization is the compressor's own ``read`` in torch; the dequantize-fused Triton
-kernels in ``kernels/`` are not used here yet.
+On CPU the dequantization is the compressor's own ``read`` in torch (tested in real servers); the
+dequantize-fused Triton kernels in ``kernels/`` are not used here yet. On a GPU unverified.
 """
 
 from __future__ import annotations
