@@ -34,6 +34,7 @@ WORKER_FILES = (
     "step/request_plan.py",
     "step/step_output.py",
     "step/lookup_windows.py",
+    "step/seeded_draw.py",
 )
 
 # the attribute paths the worker reads, by the object they hang off
@@ -61,10 +62,13 @@ BATCH = {
     "req_pool_indices",
     "reqs",
     "return_logprob",
+    "sampling_info",
     "seq_lens",
     "spec_algorithm",
     "spec_info",
 }
+# what the seeded draw reads off ``batch.sampling_info`` to follow stock's sampling path
+SAMPLING_INFO = {"need_top_k_sampling", "need_top_p_sampling", "need_min_p_sampling"}
 RESULT = {"logits_output", "new_seq_lens", "next_draft_input", "next_token_ids"}
 SAMPLING = {
     "top_k",
@@ -93,6 +97,17 @@ def test_the_worker_reads_only_what_is_pinned_here():
     assert batch <= BATCH, batch - BATCH
     result = {u.split(".")[0] for u in _uses("result")}
     assert result <= RESULT | {"logits_output"}, result - RESULT
+    assert _uses("info") <= SAMPLING_INFO, _uses("info") - SAMPLING_INFO
+
+
+def test_sampling_info_and_the_seeded_draw_exist_as_the_worker_uses_them():
+    from sglang.srt.layers import sampler
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    fields = {f.name for f in dataclasses.fields(SamplingBatchInfo)}
+    assert SAMPLING_INFO <= fields, SAMPLING_INFO - fields
+    for name in ("sampling_from_probs_torch", "top_k_top_p_min_p_sampling_from_probs_torch"):
+        assert callable(getattr(sampler, name, None)), f"sglang.srt.layers.sampler has no {name}"
 
 
 def test_a_real_request_has_every_attribute_the_worker_reads():
