@@ -15,7 +15,7 @@ from conftest import SGLANG_TEST_FLAGS
 from sglang_e2e import COPY, MODIFIERS, PERSON_FORMAT, compare_answers, prompt, same_as_stock, store_mode_config
 from transformers import AutoConfig
 
-from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, run_load
+from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, run_load, tokenizer
 from vericache_sglang.engine.model import smollm2_dir
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
@@ -59,7 +59,7 @@ def _mode_evidence(server, full_kv):
 
 
 def test_the_full_kv_in_the_store_answers_as_stock_and_serves_a_stored_prefix(
-    store_mode_launch, stock_server, exactness
+    store_mode_launch, stock_server, exactness, store_url
 ):
     """The default set's store-mode server (SnapKV, our gRPC store): answers are stock's, every
     request's full KV went to the store and came back for its verifications; a prompt asked again
@@ -80,8 +80,41 @@ def test_the_full_kv_in_the_store_answers_as_stock_and_serves_a_stored_prefix(
         m = server.metrics()
         assert m["vericache_store_prefix_hits_total"] >= 1 and m["vericache_store_prefix_tokens_total"] >= 896
         _bytes_are_the_requests_full_kv(before, m, got, horizon=store_mode_config("")["horizon"])
+        # a stored prefix whose records went bad after they were written (layer 15 of 30): promised to
+        # the tree, failed mid-load, recomputed into its slots and the prefill run again: stock's tokens
+        tools = [Ask(prompt("tools"), "completion", max_tokens=8)]
+        same_as_stock(stock_server, server, tools, exactness, "snapkv-store-grpc tools")
+        _garble_layer(store_url, tools[0].prompt, layer=15)
+        again = [Ask(prompt("tools"), "completion", max_tokens=12)]
+        before = server.metrics()
+        _, (got,) = same_as_stock(
+            stock_server, server, again, exactness, "snapkv-store-grpc prefix that failed to load"
+        )
+        grown = {k: v - before.get(k, 0.0) for k, v in server.metrics().items()}
+        assert grown["vericache_store_prefix_fallbacks_total"] == 1 and grown["vericache_store_prefix_hits_total"] == 0
+        assert got.cached_tokens >= 896, got.cached_tokens  # promised to the tree, computed there instead
+        server.wait_healthy()
     finally:
         server.stop()
+
+
+def _garble_layer(store_url: str, text: str, layer: int) -> None:
+    """Overwrite one layer of every stored chunk of ``text``'s prompt with bytes that are no chunk."""
+    import torch
+
+    from remote_store import open_store
+    from vericache_sglang.core.kv import KVLayout
+    from vericache_sglang.full_kv.store import FullKVStore
+
+    config = AutoConfig.from_pretrained(smollm2_dir())
+    layout = KVLayout(
+        str(smollm2_dir()), config.num_hidden_layers, config.num_key_value_heads, config.head_dim, torch.float32
+    )
+    store = FullKVStore(open_store(store_url), layout, namespace="sglang")
+    tokens = tokenizer()(text)["input_ids"]
+    keys = [store.key(ref, layer) for ref in store.refs(tokens, len(tokens))]
+    assert store.backend.exists_many(keys[:-1]) == [True] * (len(keys) - 1), "the prompt's chunks are not stored"
+    store.backend.put_many([(key, b"not a chunk") for key in keys])
 
 
 def _bytes_are_the_requests_full_kv(before: dict, after: dict, got, horizon: int) -> None:

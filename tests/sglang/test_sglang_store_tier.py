@@ -177,35 +177,41 @@ def test_a_matched_prefix_the_store_already_holds_is_adopted_not_written_again()
 
 def test_a_prompt_prefix_in_the_store_is_loaded_into_the_tree_for_the_next_request():
     """The first request's prompt went to the store (it stays out of the tree); the next request
-    over the same document finds it through SGLang's own prefix match: the prefix's KV is loaded
-    into device slots, exactly, and inserted into the tree. A corrupt record is a plain miss."""
+    over the same document finds it through SGLang's own prefix match: device slots are promised to
+    the tree at once and the prefix's KV is loaded into them behind, exactly. A load that fails (a
+    corrupt record) leaves the tree where no pass read it, and is not promised again."""
     from sglang.srt.mem_cache.common import match_kv_cache
+
+    from vericache_sglang.sglang.step.prefix_repair import PrefixRepair
 
     s = Setup()
     offload, _ = store_offload(s, reload_room=0.5)
+    loads = offload.tier.prefix_loads
     document = list(range(500, 628))  # eight chunks of 16
     first = s.request("first", [*document, 1, 2, 3])
     assert offload.admit(first, 131) == 131
     # the match leaves the prompt's last 64 tokens to compute (the observation window): 66 -> 64
     second = Req("second", "", array("l", [*document, 4, 5]), SamplingParams(max_new_tokens=8))
     match = match_kv_cache(second, s.cache, second.origin_input_ids)
-    assert match.device_prefix_len == 64 and offload.tier.prefix_tokens_loaded == 64
+    assert match.device_prefix_len == 64 and loads.pending()
+    assert PrefixRepair(offload, _never, lambda: s.cache, s.rows).settle(None) is False  # the load ends with the step
+    assert offload.tier.prefix_tokens_loaded == 64 and not loads.pending()
     slots = s.cache.path_device_indices(match.last_device_node)
     for layer in range(LAYERS):
         got = torch.stack([s.pool.k_buffer[layer][slots], s.pool.v_buffer[layer][slots]], 1)
         assert torch.equal(got, s.kv["first"][layer][:64])
     assert match_kv_cache(second, s.cache, second.origin_input_ids).device_prefix_len == 64  # the tree's own
-    assert offload.tier.prefix_hits == 1
-    # another document whose stored records are garbled: nothing is loaded, nothing leaks
+    assert offload.tier.prefix_hits == 1 and not loads.pending()
+    # another document whose stored records are garbled: promised, failed, out of the tree, nothing leaks
     other = s.request("other", list(range(900, 1031)))
     assert offload.admit(other, 131) == 131
-    backend = offload.tier.store.backend
-    for key in offload.tier._handles["other"]._pinned:
-        backend.put_many([(key, b"not a chunk")])
+    _garble(offload, "other")
     free = s.alloc.available_size()
     third = Req("third", "", array("l", [*range(900, 1028), 7]), SamplingParams(max_new_tokens=8))
-    assert match_kv_cache(third, s.cache, third.origin_input_ids).device_prefix_len == 0
+    assert match_kv_cache(third, s.cache, third.origin_input_ids).device_prefix_len == 64
+    assert PrefixRepair(offload, _never, lambda: s.cache, s.rows).settle(None) is False
     assert s.alloc.available_size() == free and offload.tier.prefix_errors == 1
+    assert match_kv_cache(third, s.cache, third.origin_input_ids).device_prefix_len == 0  # not promised again
     # a request SGLang keeps apart (a cache salt) writes records of its own: nobody else finds them
     salted = s.request("salted", list(range(2000, 2131)))
     salted.cache_salt = "tenant-a"
@@ -213,3 +219,82 @@ def test_a_prompt_prefix_in_the_store_is_loaded_into_the_tree_for_the_next_reque
     fourth = Req("fourth", "", array("l", [*range(2000, 2128), 7]), SamplingParams(max_new_tokens=8))
     assert match_kv_cache(fourth, s.cache, fourth.origin_input_ids).device_prefix_len == 0
     assert offload.tier.prefix_hits == 1
+
+
+def test_a_failed_prefix_load_a_prefill_read_is_recomputed_into_its_slots_and_the_pass_runs_again():
+    """The prefill batch's request matched a stored prefix whose load then failed: its positions are
+    recomputed from the prompt into the promised slots (the worker's recompute pass), exactly, and
+    the worker is told to run the pass again; the load is dealt with, counted once."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.common import match_kv_cache
+
+    from vericache_sglang.sglang.step.prefix_repair import PrefixRepair
+
+    s = Setup()
+    offload, _ = store_offload(s, reload_room=0.5)
+    doc = s.request("doc", list(range(900, 1031)))
+    assert offload.admit(doc, 131) == 131
+    _garble(offload, "doc")
+    req = Req("q", "", array("l", [*range(900, 1028), 7]), SamplingParams(max_new_tokens=8))
+    match = match_kv_cache(req, s.cache, req.origin_input_ids)
+    promised = s.cache.path_device_indices(match.last_device_node)
+    s.rows.alloc([req])  # the prefill's row: the matched prefix first, as SGLang writes it
+    s.rows.write((req.kv.req_pool_idx, slice(0, 64)), promised.to(torch.int32))
+    req.prefix_len = 64
+    calls: list[tuple[int, int, int]] = []
+
+    def recompute(batch, committed, i, start, slots):  # the worker's recompute pass, as offload_setup's stand-in
+        assert batch.reqs[i] is req and int(committed[i]) == 129
+        recompute_from(s, doc, calls)(i, start, slots)
+
+    repair = PrefixRepair(offload, recompute, lambda: s.cache, s.rows)
+    batch = SimpleNamespace(reqs=[req], seq_lens=torch.tensor([129]))
+    assert repair.settle(batch) is True and calls == [(0, 0, 64)] and repair.recomputed == 1
+    for layer in range(LAYERS):
+        got = torch.stack([s.pool.k_buffer[layer][promised], s.pool.v_buffer[layer][promised]], 1)
+        assert torch.equal(got, s.kv["doc"][layer][:64])
+    assert repair.settle(batch) is False and offload.tier.prefix_errors == 1  # dealt with: the second pass is plain
+
+
+def test_the_prefill_pass_reads_a_layer_only_once_every_load_has_delivered_it():
+    """``PrefixLoads`` as SGLang's pool calls it: outside the prefill pass nothing waits; inside, a
+    layer waits for every load in flight to deliver it, and a load that fails releases its waiters."""
+    import threading
+    import time
+
+    from vericache_sglang.sglang.full_kv.prefix_loads import PrefixLoad, PrefixLoads
+
+    loads = PrefixLoads(num_layers=3)
+    load = PrefixLoad(list(range(8)), 0, torch.arange(8))
+    loads.add(load)
+    loads.wait_until(2)  # not reading: returns at once
+    seen: list[int] = []
+
+    def read() -> None:
+        with loads.reading():
+            for layer in range(3):
+                loads.wait_until(layer)
+                seen.append(layer)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.05)
+    assert seen == []
+    loads.layer_done(load, 0)
+    time.sleep(0.05)
+    assert seen == [0]
+    loads.end(load, RuntimeError("store down"))  # the rest never arrives: the pass goes on, to be run again
+    reader.join(timeout=5)
+    assert seen == [0, 1, 2]
+    assert loads.settle() == [load]
+
+
+def _never(*args: object) -> None:
+    raise AssertionError("nothing was read: nothing to recompute")
+
+
+def _garble(offload, rid: str) -> None:
+    backend = offload.tier.store.backend
+    for key in offload.tier._handles[rid]._pinned:
+        backend.put_many([(key, b"not a chunk")])

@@ -35,6 +35,7 @@ WORKER_FILES = (
     "step/step_output.py",
     "step/lookup_windows.py",
     "step/seeded_draw.py",
+    "step/prefix_repair.py",
 )
 
 # the attribute paths the worker reads, by the object they hang off
@@ -43,6 +44,7 @@ REQ = {
     "kv.cache_protected_len",
     "kv.req_pool_idx",
     "origin_input_ids",
+    "prefix_len",
     "return_logprob",
     "rid",
     "sampling_params",

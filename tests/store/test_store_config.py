@@ -171,7 +171,7 @@ def test_every_entry_point_connects_through_the_probe():
         path: (REPO / path).read_text()
         for path in (
             "vericache_sglang/engine/engine.py",
-            "vericache_sglang/sglang/step/worker.py",
+            "vericache_sglang/sglang/full_kv/store_tier.py",
             "vericache_sglang/sglang/storage.py",
         )
     }

@@ -69,6 +69,11 @@ class WorkerMetrics:
         self.store_prefix_tokens = Counter(
             "vericache_store_prefix_tokens", "Prompt tokens loaded from the full-KV store, not computed", names
         ).labels(**labels)
+        self.store_prefix_fallbacks = Counter(
+            "vericache_store_prefix_fallbacks",
+            "Stored prompt prefixes that did not load (store down, record missing or bad), computed instead",
+            names,
+        ).labels(**labels)
         self.prefix_copies_made = Counter(
             "vericache_prefix_copies_made", "Compressed copies made of cached prefixes", names
         ).labels(**labels)

@@ -29,11 +29,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    InsertParams,
+    MatchPrefixParams,
+    MatchResult,
+)
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from vericache_sglang.core.kv import CompressedKV
 from vericache_sglang.sglang.full_kv.offload_rows import offload_for
+from vericache_sglang.sglang.full_kv.prefix_loads import PrefixLoad, PrefixLoads
 from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
 from vericache_sglang.sglang.step.draft_state import OBS_WINDOW
 
@@ -99,12 +106,47 @@ class VeriCacheRadixCache(RadixCache):
         slots = alloc.alloc(n - have)
         if slots is None:
             return result
-        if not source.load_prefix(tokens, have, n, slots):
-            alloc.free(slots)
-            return result
+        # promised now, loaded behind: the prefill pass waits per layer (full_kv/prefix_loads.py)
+        source.start_prefix_load(tokens[:n], have, slots)
         value = torch.cat([self.path_device_indices(result.last_device_node).to(slots.device), slots.to(torch.int64)])
         self.insert(InsertParams(key=RadixKey(key.token_ids[:n]), value=value))  # the tree's own id type
         return super().match_prefix(params)
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """SGLang's eviction, once no load is still writing into slots it could free."""
+        loads = self._prefix_loads()
+        if loads is not None and loads.pending():
+            loads.settle()
+        return super().evict(params)
+
+    def drop(self, load: PrefixLoad) -> bool:
+        """Take a failed load's positions out of the tree (no pass read them): every node from the
+        one holding its first position down, freed. False while a request holds one (locked)."""
+        node, depth = self.root_node, 0
+        while depth < load.have:  # the node the load's first position starts (a split may have moved it)
+            child = node.children.get(RadixKey(load.tokens[depth:]).child_key(self.page_size))
+            if child is None:
+                return True  # gone already (evicted)
+            node, depth = child, depth + len(child.key)
+        if depth != load.have:
+            return True  # not where the load put it: evicted and written again since
+        child = node.children.get(RadixKey(load.tokens[depth:]).child_key(self.page_size))
+        if child is None:
+            return True
+        subtree = [child]
+        for n in subtree:
+            subtree.extend(n.children.values())
+        if any(n.lock_ref > 0 for n in subtree):
+            return False
+        for n in reversed(subtree):  # leaves first
+            self.token_to_kv_pool_allocator.free_segment(n.value, start_pos=0)
+            self._delete_leaf(n)
+            self.kv_events.record_remove(n)
+        return True
+
+    def _prefix_loads(self) -> PrefixLoads | None:
+        source = getattr(offload_for(self.token_to_kv_pool_allocator), "tier", None)
+        return source.prefix_loads if isinstance(source, StoreFullKV) else None
 
     def swa_reprefill_tail_tokens(self, req: Req | None = None) -> int:
         """Tokens at the end of a prompt that are computed again even when cached: the worker's

@@ -115,7 +115,7 @@ class FullKVOffload:
         self.offloaded_bytes = 0  # totals, for the worker's metrics
         self.reloaded_bytes = 0
         self.recomputed = 0  # reloads the tier did not deliver, recomputed instead
-        self._counted = (0, 0, 0, 0, 0)  # what count_into has already added to the metrics
+        self._counted = (0, 0, 0, 0, 0, 0)  # what count_into has already added to the metrics
         self._verify_from = 0
         self._unplanned: list[str] = []
         self._planned: set[str] = set()
@@ -285,6 +285,7 @@ class FullKVOffload:
             self.recomputed,
             getattr(self.tier, "prefix_hits", 0),
             getattr(self.tier, "prefix_tokens_loaded", 0),
+            getattr(self.tier, "prefix_errors", 0),
         )
         counters = (
             metrics.full_kv_written,
@@ -292,6 +293,7 @@ class FullKVOffload:
             metrics.full_kv_recomputes,
             metrics.store_prefix_hits,
             metrics.store_prefix_tokens,
+            metrics.store_prefix_fallbacks,
         )
         for counter, value, seen in zip(counters, now, self._counted, strict=True):
             counter.inc(value - seen)

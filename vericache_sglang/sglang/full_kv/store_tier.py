@@ -16,10 +16,14 @@ The tier the worker's offload (``offload.FullKVOffload``) drives, beside the hos
   ``consume`` waits for it before the verify pass; a fetch that failed (store down, record missing,
   evicted or corrupt: every record is checked against its key, model layout and tokens) is
   ``failed``, and the caller recomputes those positions from the committed tokens instead.
+- ``start_prefix_load`` loads a prompt prefix the store holds (``stored_prefix``) into the device
+  slots the radix tree promised it, on the same thread, each layer as it arrives, while the
+  prefill pass that reads it runs (``prefix_loads``: the pass waits per layer).
 
-On CPU the fetch lands in the pool whole before the pass; on a GPU the per-layer overlap of the
-fetch with the verify pass (HiCache's ``LayerDoneCounter``, as the host tier does) is not wired:
-unverified, no GPU with sglang here.
+On CPU a verification's fetch lands in the pool whole before its pass, and a prefix load per layer
+under the prefill pass. On a GPU the per-layer overlap of a fetch with the verify pass (HiCache's
+``LayerDoneCounter``, as the host tier does) is not wired, and a prefix load's layer is marked done
+once the fetch thread's stream has completed its copy: unverified, no GPU with sglang here.
 """
 
 from __future__ import annotations
@@ -34,14 +38,18 @@ import torch
 
 from remote_store import StoreError
 from remote_store.codec import ChunkError
+from vericache_sglang.sglang.full_kv.prefix_loads import PrefixLoad, PrefixLoads
 from vericache_sglang.sglang.pool_kv import read_full_kv, write_layer
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
+    from vericache_sglang.core.kv import KVLayout
     from vericache_sglang.full_kv.store import FullKVStore, RequestKV
 
 logger = logging.getLogger(__name__)
+
+MAX_BAD_PREFIXES = 4096  # prefixes remembered as failing to load (a store can be mended; forget then)
 
 
 class StoreFullKV:
@@ -60,6 +68,24 @@ class StoreFullKV:
         self.prefix_hits = 0  # prompts whose prefix was loaded from the store instead of computed
         self.prefix_tokens_loaded = 0
         self.prefix_errors = 0
+        # the prefill pass waits per layer on the prefixes still arriving (SGLang's pool calls it)
+        if getattr(device_pool, "layer_transfer_counter", None) is not None:
+            raise ValueError("the device pool already waits on another layer counter (HiCache is on)")
+        self.prefix_loads = PrefixLoads(device_pool.layer_num)
+        self._bad_prefixes: set[int] = set()  # hashes of prefixes whose load failed
+        device_pool.register_layer_transfer_counter(self.prefix_loads)
+
+    @classmethod
+    def connect(cls, url: str, device_pool: MHATokenToKVPool, layout: KVLayout, device: str) -> StoreFullKV:
+        """The tier over the store at ``url`` (``vericache --store``'s URLs, credentials and TLS): a
+        store that cannot be used as configured fails here, naming it and why; an emulated link
+        (``?link_ratio=R``) is set against ``device``'s memory bandwidth."""
+        from remote_store import connect_store
+        from vericache_sglang.engine.hardware import memory_bandwidth
+        from vericache_sglang.full_kv.store import FullKVStore
+
+        backend = connect_store(url, memory_bandwidth=lambda: memory_bandwidth(device))
+        return cls(device_pool, FullKVStore(backend, layout, namespace="sglang"))
 
     # -- what is held ----------------------------------------------------------------------------
 
@@ -202,25 +228,46 @@ class StoreFullKV:
         if len(tokens) - have < self.store.chunk_tokens:
             return have
         try:
-            return max(have, self.store.longest_prefix(tokens, start=have))
+            n = self.store.longest_prefix(tokens, start=have)
         except StoreError as e:
             logger.warning("VeriCache: the store could not be asked for a prefix (%s)", e)
             self.prefix_errors += 1
             return have
+        if n > have and hash(tuple(tokens[:n])) in self._bad_prefixes:
+            return have  # it failed to load before: computed, not promised again
+        return max(have, n)
 
-    def load_prefix(self, tokens: Sequence[int], have: int, n: int, slots: torch.Tensor) -> bool:
-        """Load the stored KV of positions ``[have, n)`` of ``tokens`` into device ``slots``; False
-        when the store fails or a record is missing or bad (every record is checked)."""
-        try:  # each layer into the device pool as it arrives; a failure leaves the slots to be freed
-            for layer, k, v in self.store.stream_prefix(tokens, n, start=have):
-                write_layer(self.device_pool, slots, layer, k, v)
+    def start_prefix_load(self, tokens: Sequence[int], have: int, slots: torch.Tensor) -> PrefixLoad:
+        """Start loading the stored KV of positions ``[have, len(tokens))`` into device ``slots``
+        on the fetch thread, each layer as it arrives (``prefix_loads``: the prefill pass waits per
+        layer); a failure (store down, record missing or bad: every record is checked) ends the
+        load with its error, for the worker to recompute the positions."""
+        load = PrefixLoad(list(tokens), have, slots)
+        self.prefix_loads.add(load)
+        load.future = self._fetcher.submit(self._load_prefix, load)
+        return load
+
+    def _load_prefix(self, load: PrefixLoad) -> None:
+        try:
+            for layer, k, v in self.store.stream_prefix(load.tokens, load.end, start=load.have):
+                write_layer(self.device_pool, load.slots, layer, k, v)
+                if torch.device(self.device_pool.device).type == "cuda":  # landed, not only issued
+                    torch.cuda.current_stream().synchronize()
+                self.prefix_loads.layer_done(load, layer)
         except (StoreError, ChunkError) as e:
             logger.warning("VeriCache: a stored prefix could not be loaded, computing it instead (%s)", e)
             self.prefix_errors += 1
-            return False
+            if len(self._bad_prefixes) >= MAX_BAD_PREFIXES:
+                self._bad_prefixes.clear()
+            self._bad_prefixes.add(hash(tuple(load.tokens)))
+            self.prefix_loads.end(load, e)
+            return
+        except BaseException as e:  # a waiter must never wait forever
+            self.prefix_loads.end(load, e)
+            raise
         self.prefix_hits += 1
-        self.prefix_tokens_loaded += n - have
-        return True
+        self.prefix_tokens_loaded += load.end - load.have
+        self.prefix_loads.end(load, None)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ from vericache_sglang.sglang.step.draft_state import QueryCapture, VeriCacheDraf
 from vericache_sglang.sglang.step.forward import ForwardBuilder
 from vericache_sglang.sglang.step.grammar_masks import ChainMasks
 from vericache_sglang.sglang.step.passes import Passes
+from vericache_sglang.sglang.step.prefix_repair import PrefixRepair
 from vericache_sglang.sglang.step.request_plan import Plan, plan_request
 from vericache_sglang.sglang.step.seeded_draw import BatchPath
 from vericache_sglang.sglang.step.step_output import step_output
@@ -149,18 +150,10 @@ class VeriCacheWorker(BaseSpecWorker):
             from vericache_sglang.sglang.full_kv.offload import FullKVOffload
 
             tier = None  # the host pool
-            if self.cfg.full_kv == "store":
-                from remote_store import connect_store
-                from vericache_sglang.engine.hardware import memory_bandwidth
-                from vericache_sglang.full_kv.store import FullKVStore
+            if self.cfg.full_kv == "store":  # a store that cannot be used as configured fails the launch
                 from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
 
-                # a store that cannot be used as configured fails the launch here, naming it and why;
-                # an emulated link (?link_ratio=R) is set against this device's memory bandwidth
-                device = str(self.device)
-                backend = connect_store(self.cfg.store, memory_bandwidth=lambda: memory_bandwidth(device))
-                store = FullKVStore(backend, self.layout, namespace="sglang")
-                tier = StoreFullKV(target_pool, store)
+                tier = StoreFullKV.connect(self.cfg.store, target_pool, self.layout, str(self.device))
             self.offload = FullKVOffload(
                 self.cfg,
                 runner,
@@ -199,6 +192,9 @@ class VeriCacheWorker(BaseSpecWorker):
             on_release=self._forget,
             count=self._count,
         )
+        self._prefixes = PrefixRepair(
+            self.offload, self.passes.recompute, self._admission.tree, runner.req_to_token_pool
+        )
 
     def init_cuda_graphs(self) -> None:
         return None  # --enable-vericache disables decode CUDA graphs; nothing of ours is captured
@@ -217,15 +213,20 @@ class VeriCacheWorker(BaseSpecWorker):
         if batch.forward_mode == ForwardMode.EXTEND:
             return self._prefill(batch, on_publish)
         if batch.forward_mode == ForwardMode.DECODE:
-            return self._decode(batch, on_publish)
+            result = self._decode(batch, on_publish)
+            self._prefixes.settle(None)  # a load started for a request still waiting ends with the step
+            return result
         raise RuntimeError(f"VERICACHE runs EXTEND and DECODE batches, got {batch.forward_mode}")
 
     def _prefill(self, batch: ScheduleBatch, on_publish: Callable | None) -> GenerationBatchResult:
         self._admission.tree()  # its release listener, before a request keeps anything here (a plan, query tails)
-        fb = self.forwards.prefill(batch)
-        # the verify backend: on CPU the chain one (new tokens over a cached prefix attend from their rows only)
-        with self._capture.capturing(), self.passes.using(self.passes.verify_backend, fb):
-            result = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+        while True:  # again only when a stored prefix it read failed to load, and was recomputed
+            fb = self.forwards.prefill(batch)
+            # the verify backend: on CPU the chain one (new tokens over a cached prefix attend from their rows only)
+            with self._capture.capturing(), self.passes.using(self.passes.verify_backend, fb), self._prefixes.reading():
+                result = self.target_worker.forward_batch_generation(batch=None, forward_batch=fb, is_verify=True)
+            if not self._prefixes.settle(batch):
+                break
         # SGLang's sampler rewrites the logits in place (temperature, softmax): keep them for the core's draws
         logits = result.logits_output.next_token_logits.clone()
         next_ids = result.next_token_ids = self.model_runner.sample(result.logits_output, fb)
