@@ -21,7 +21,7 @@ COMPRESSORS = [
     "snapkv:ratio=0.125",
     "kivi:bits=2",
     "streamingllm:window=256",
-    # drafting modifiers (issue #16): the recommended configuration, and refresh with trusted lookup
+    # drafting modifiers (issue #16): its recommended configuration, and refresh with trusted lookup
     "snapkv:ratio=0.03125+refresh:ratio=0.09375,span=16+lookup:trust=0",
     "h2o:ratio=0.03125+refresh:ratio=0.09375,span=16+lookup:trust=4",
     # the best acceptance at 1/8 (README "Drafting beyond a compressor"): a composition with refresh
