@@ -4,8 +4,9 @@ site-packages by both a regular and an editable install.
 Python runs a ``.pth`` file's ``import`` line at every interpreter start, which is the one moment
 early enough for SGLang's CPU engine: its modules import ``sgl_kernel`` as they load, in the
 launcher and in each scheduler process it spawns, before any ``sglang.srt.plugins`` entry point
-runs. The line does nothing unless ``SGLANG_USE_CPU_ENGINE=1``; then it installs the stand-in
-finder of ``vericache_sglang/sglang/cpu/platform.py``, which never shadows a real ``sgl_kernel``.
+runs. The line does nothing unless ``SGLANG_USE_CPU_ENGINE=1`` (or ``VERICACHE_TORCH_KERNELS=1``, a CUDA
+machine without sgl_kernel); then it installs the stand-in finder of
+``vericache_sglang/sglang/cpu/platform.py``, which never shadows a real ``sgl_kernel``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from setuptools.command.editable_wheel import editable_wheel
 
 PTH_NAME = "vericache_sglang_cpu.pth"
 PTH_LINE = (
-    "import os; os.environ.get('SGLANG_USE_CPU_ENGINE', '0') == '1' and "
+    "import os; (os.environ.get('SGLANG_USE_CPU_ENGINE', '0') == '1' or "
+    "os.environ.get('VERICACHE_TORCH_KERNELS', '0') == '1') and "
     "__import__('vericache_sglang.sglang.cpu.platform', fromlist=['install']).install()\n"
 )
 

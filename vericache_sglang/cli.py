@@ -208,7 +208,12 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_MODULES = {"sglang": "sglang_cpu", "sglang-prefix": "sglang_prefix", "steps": "step_cost"}
+BENCH_MODULES = {
+    "sglang": "sglang_cpu",
+    "sglang-prefix": "sglang_prefix",
+    "sglang-gpu": "sglang_gpu",
+    "steps": "step_cost",
+}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -452,10 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run a benchmark: longctx (long-context decoding), prefix (remote prefixes), "
         "sglang (stock SGLang against VeriCache servers on this CPU), sglang-prefix (a "
-        "document's prefix across two SGLang servers) or steps (the "
+        "document's prefix across two SGLang servers), sglang-gpu (the one-shot GPU check; --quick: its "
+        "dry run on this CPU) or steps (the "
         "cost of one batched iteration against the bytes it reads)",
     )
-    p.add_argument("which", choices=("longctx", "prefix", "sglang", "sglang-prefix", "steps"))
+    p.add_argument("which", choices=("longctx", "prefix", "sglang", "sglang-prefix", "sglang-gpu", "steps"))
     p.add_argument("--quick", action="store_true", help="the small configuration CI runs")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--config", type=Path, help="config file (default: benchmarks/configs/WHICH.json)")

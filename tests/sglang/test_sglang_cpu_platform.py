@@ -1,7 +1,8 @@
 """SGLang's CPU platform layer: the kernel-package ops in torch (the seeded draw's hash bit for bit
 SGLang's Triton kernel), the stand-in ``sgl_kernel`` and how it is loaded (a ``.pth`` line, active
-only with ``SGLANG_USE_CPU_ENGINE=1``, never in front of a real ``sgl_kernel``), and the opt-in
-answer to deterministic inference's batch-invariant set-up on CPU."""
+only with ``SGLANG_USE_CPU_ENGINE=1``, never in front of a real ``sgl_kernel``), the opt-in
+answer to deterministic inference's batch-invariant set-up on CPU, and the CUDA stand-ins
+(``VERICACHE_TORCH_KERNELS=1``) under a faked CUDA device."""
 
 from __future__ import annotations
 
@@ -187,6 +188,7 @@ def test_the_pth_line_is_installed_in_site_packages():
     assert found, "vericache_sglang_cpu.pth is missing: reinstall the project (scripts/setup.sh)"
     line = found[0].read_text()
     assert line.startswith("import ") and "SGLANG_USE_CPU_ENGINE" in line and "sglang.cpu.platform" in line
+    assert "VERICACHE_TORCH_KERNELS" in line, "the .pth line predates the CUDA stand-in: reinstall the project"
 
 
 def test_the_stand_in_is_active_only_with_sglangs_cpu_switch():
@@ -197,6 +199,55 @@ def test_the_stand_in_is_active_only_with_sglangs_cpu_switch():
     assert off.returncode != 0 and "No module named 'sgl_kernel'" in off.stderr
     other = _python(probe, _env(SGLANG_USE_CPU_ENGINE="0"))
     assert other.returncode != 0
+
+
+# SGLang's modules on a CUDA machine, CUDA faked on this CPU (an H200 as torch reports one)
+FAKED_CUDA_IMPORTS = textwrap.dedent(
+    """
+    import torch
+
+    class Props:
+        name, major, minor, multi_processor_count, total_memory = "NVIDIA H200 (faked)", 9, 0, 132, 141 << 30
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    torch.cuda.get_device_name = lambda *a, **k: Props.name
+    torch.cuda.get_device_properties = lambda *a, **k: Props()
+    torch.cuda.current_device = lambda: 0
+    import sglang.srt.layers.layernorm, sglang.srt.layers.activation, sglang.srt.layers.sampler
+    import sglang.srt.layers.attention.triton_backend, sglang.srt.models.llama
+    from sglang.srt.utils import is_cuda
+    import sgl_kernel
+    from sgl_kernel.utils import is_arch_support_pdl
+    import sglang.kernels.ops.gemm.cutedsl_dual_gemm as dual
+    try:
+        sgl_kernel.rmsnorm(None, None)
+    except NotImplementedError as e:
+        print("rmsnorm raises:", e)
+    try:
+        import sgl_kernel.allreduce
+    except ImportError:
+        print("no allreduce")
+    print(is_cuda(), sgl_kernel.VERICACHE_STAND_IN, is_arch_support_pdl(),
+          dual.VERICACHE_STAND_IN, dual.can_use_dual_gemm(1, 576, 1536, dual.DualGemmQuantMode.UNQUANT))
+    """
+)
+
+
+def test_sglangs_cuda_modules_load_through_the_cuda_stand_in():
+    """On CUDA, SGLang's layers import sgl_kernel and the CuTe DSL dual GEMM at load; with
+    VERICACHE_TORCH_KERNELS=1 (the .pth line) the stand-ins answer: the imports of a Llama server on
+    the triton backend succeed, the one op called says no PDL, any other op raises naming itself, and
+    allreduce stays unanswered (its importer falls back). Without the switch the same imports fail."""
+    on = _python(FAKED_CUDA_IMPORTS, _env(VERICACHE_TORCH_KERNELS="1"))
+    assert on.returncode == 0, on.stderr[-3000:]
+    lines = on.stdout.strip().splitlines()
+    assert lines[-1].split() == ["True", "True", "False", "True", "False"], on.stdout
+    assert "rmsnorm raises: sgl_kernel.rmsnorm" in on.stdout and "SGLANG_FORCE_FUSED_OP_BACKEND" in on.stdout
+    assert "no allreduce" in on.stdout
+    off = _python(FAKED_CUDA_IMPORTS, _env())
+    assert off.returncode != 0 and "No module named 'sgl_kernel'" in off.stderr, off.stderr[-2000:]
 
 
 def test_a_real_sgl_kernel_is_never_shadowed(tmp_path):

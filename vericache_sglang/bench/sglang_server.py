@@ -1,9 +1,11 @@
-"""SGLang server processes on this CPU, for the SGLang benchmark and the end-to-end tests: SGLang's
-own launch command, as a user runs it.
+"""SGLang server processes, for the SGLang benchmarks and the end-to-end tests: SGLang's own launch
+command, as a user runs it.
 
-``python -m sglang.launch_server --device cpu --attention-backend torch_native --dtype float32`` with
-``SGLANG_USE_CPU_ENGINE=1`` (the CPU platform layer, ``vericache_sglang/sglang/cpu/platform.py``,
-comes in through the project's ``.pth`` file). Each server is a process group of its own, so a
+On this CPU (``CPU``, the default): ``python -m sglang.launch_server --device cpu --attention-backend
+torch_native --dtype float32`` with ``SGLANG_USE_CPU_ENGINE=1`` (the CPU platform layer,
+``vericache_sglang/sglang/cpu/platform.py``, comes in through the project's ``.pth`` file). On a GPU
+without SGLang's kernel packages (``CUDA_TORCH``, the GPU check): the triton attention backend, torch
+sampling and the platform layer's stand-in ``sgl_kernel``. Each server is a process group of its own, so a
 stop leaves nothing behind. No sglang import here: the servers are other processes.
 """
 
@@ -28,6 +30,60 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where a server runs: the launch arguments and environment that choose its device and kernels."""
+
+    name: str
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+
+
+# OpenMP workers that spin while waiting starve a second server's on the same cores: two servers
+# decoding at once ran 5x slower than one after the other; passive waiting, no slower alone
+CPU = Platform("cpu", CPU_ARGS, (("SGLANG_USE_CPU_ENGINE", "1"), ("OMP_WAIT_POLICY", "PASSIVE")))
+# The GPU path on this CPU: SGLang's triton backend with Triton's kernels run by its interpreter;
+# --enable-deterministic-inference answered on CPU by the platform layer (VERICACHE_CPU_DETERMINISTIC)
+CPU_TRITON = Platform(
+    "cpu-triton",
+    ("--device", "cpu", "--attention-backend", "triton", "--dtype", "float32"),
+    (*CPU.env, ("TRITON_INTERPRET", "1"), ("VERICACHE_CPU_DETERMINISTIC", "1")),
+)
+# A CUDA GPU without sgl_kernel, cutlass or flashinfer (the lent machines). UNVERIFIED: never run on
+# a GPU. SGLang's CUDA modules load through the platform layer's stand-ins (VERICACHE_TORCH_KERNELS,
+# sglang/cpu/cuda_stand_in.py; tested here with CUDA faked), and this environment keeps calls off
+# them: fused layers in torch (the switch covers SiluAndMul, RMSNorm, rotary and the position
+# clamp, whose JIT kernels need nvcc), no check of an installed sglang-kernel, no attempt to
+# JIT-compile the KV write kernel, and the Python radix tree core (the wheel's Rust core, built
+# against torch 2.14.1, panicked under the image's torch 2.11).
+CUDA_TORCH = Platform(
+    "cuda",
+    (
+        "--device",
+        "cuda",
+        "--attention-backend",
+        "triton",
+        "--sampling-backend",
+        "pytorch",
+        "--cuda-graph-backend-decode",
+        "disabled",
+        "--cuda-graph-backend-prefill",
+        "disabled",
+        "--disable-custom-all-reduce",
+        "--bf16-gemm-backend",
+        "torch",
+    ),
+    (
+        ("VERICACHE_TORCH_KERNELS", "1"),
+        ("SGLANG_FORCE_FUSED_OP_BACKEND", "torch"),
+        ("SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "1"),
+        ("SGLANG_CRASH_ON_JIT_COMPILE", "1"),
+        ("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python"),
+    ),
+)
+PLATFORMS = {p.name: p for p in (CPU, CPU_TRITON, CUDA_TORCH)}
 # A small pool keeps several servers within a 24 GiB machine; --sleep-on-idle keeps an idle
 # scheduler from spinning a core; stats every step keep the token-usage gauge current.
 SMALL_SERVER_ARGS = (
@@ -53,24 +109,29 @@ def model_dir() -> str:
     return str(prepare_smollm2(progress=False))
 
 
-def launch_command(port: int, *extra: str) -> list[str]:
+def launch_command(port: int, *extra: str, platform: Platform = CPU, model: str | None = None) -> list[str]:
+    """SGLang's launcher on ``platform`` for ``model`` (default: SmolLM2); ``extra`` comes last and wins."""
     return [
         sys.executable,
         "-m",
         "sglang.launch_server",
         "--model-path",
-        model_dir(),
-        *CPU_ARGS,
+        model or model_dir(),
+        *platform.args,
         "--port",
         str(port),
         *extra,
     ]
 
 
+def server_env(platform: Platform = CPU) -> dict[str, str]:
+    env = dict(platform.env)
+    passive = env.pop("OMP_WAIT_POLICY", None)  # a default the caller's environment may override
+    return {**({"OMP_WAIT_POLICY": passive} if passive else {}), **os.environ, **env, "PYTHONUNBUFFERED": "1"}
+
+
 def cpu_env() -> dict[str, str]:
-    # OpenMP workers that spin while waiting starve a second server's on the same cores: two
-    # servers decoding at once ran 5x slower than one after the other; passive waiting, no slower alone
-    return {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONUNBUFFERED": "1"}
+    return server_env(CPU)
 
 
 class SGLangServer:
@@ -85,29 +146,44 @@ class SGLangServer:
         env: dict[str, str] | None = None,
         start_timeout: float = 300.0,
         wait: bool = True,
+        platform: Platform = CPU,
+        model: str | None = None,
     ):
         """Launch it; with ``wait`` (the default) return once it is healthy, else call ``wait_healthy``
         (servers started together load their models side by side)."""
         self.name = name
-        self.port = free_port()
-        args = [*SMALL_SERVER_ARGS, *extra]
+        self._args = [*SMALL_SERVER_ARGS, *extra]
         if vericache is not None:
-            args += ["--enable-vericache", "--vericache-config", json.dumps(vericache)]
-        self.command = launch_command(self.port, *args)
+            self._args += ["--enable-vericache", "--vericache-config", json.dumps(vericache)]
+        self._platform, self._model = platform, model
+        self._env = {**server_env(platform), **(env or {})}
         self.log_path = log_dir / f"{name}.log"
         self.log = open(self.log_path, "ab")
+        self._launch()
+        if wait:
+            self.wait_healthy(start_timeout)
+
+    def _launch(self) -> None:
+        self.port = free_port()
+        self.command = launch_command(self.port, *self._args, platform=self._platform, model=self._model)
+        self._log_start = os.path.getsize(self.log_path)
         self.proc = subprocess.Popen(
             self.command,
             cwd=REPO,
-            env={**cpu_env(), **(env or {})},
+            env=self._env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         self._started = time.monotonic()
         self._healthy = False
-        if wait:
-            self.wait_healthy(start_timeout)
+
+    def _port_taken(self) -> bool:
+        """Whether this launch's HTTP server lost its port to another process (free_port only
+        finds a port that was free when asked); SGLang then waits instead of exiting."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            return b"error while attempting to bind on address" in f.read()
 
     @property
     def url(self) -> str:
@@ -117,8 +193,14 @@ class SGLangServer:
         """Return once ``/health`` answers, at most ``timeout`` s after the launch; stop it and raise if not."""
         if self._healthy:
             return
-        deadline = self._started + timeout
+        deadline, relaunches = self._started + timeout, 0
         while True:  # asked at least once: a server launched long before may be up by now
+            if relaunches < 3 and self._port_taken():  # before /health: that port answers for another process
+                self._kill()
+                self.log.write(b"\n[test harness] the port was taken: relaunching on another\n")
+                self.log.flush()
+                self._launch()
+                deadline, relaunches = self._started + timeout, relaunches + 1
             if self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang server {self.name} exited ({self.proc.returncode}):\n{self.log_tail()}")
             try:
@@ -182,6 +264,11 @@ class SGLangServer:
 
     def stop(self) -> int:
         """SIGTERM to the whole process group, SIGKILL if it lingers; returns the launcher's exit code."""
+        self._kill()
+        self.log.close()
+        return self.proc.returncode
+
+    def _kill(self) -> None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -195,8 +282,6 @@ class SGLangServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.log.close()
-        return self.proc.returncode
 
 
 def group_alive(pid: int) -> bool:
@@ -280,6 +365,10 @@ def _cached(r: Any) -> int | None:
 
 def ask_all(server: SGLangServer, questions: list[Ask]) -> list[Answer]:
     """All at once (they run as one continuous batch on the server)."""
+    # the openai client imports its resources on first use: threads doing that at once can meet
+    # Python's import-lock deadlock detection (_DeadlockError, seen in the heavy set)
+    import openai.resources  # noqa: F401
+
     with cf.ThreadPoolExecutor(len(questions)) as pool:
         return list(pool.map(lambda q: ask(server, q), questions))
 
@@ -335,18 +424,18 @@ def accepted_length(metrics: dict[str, float], before: dict[str, float] | None =
     return total / count if count else 0.0
 
 
-def tokenizer() -> Any:
+def tokenizer(model: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir())
+    return AutoTokenizer.from_pretrained(model or model_dir())
 
 
-def document_prompt(name: str, min_tokens: int) -> str:
-    """A real prompt of ``benchmarks/prompts/NAME.txt`` cut to about ``min_tokens`` tokens: its
-    document's first lines up to that length, then its closing question (the last paragraph)."""
+def document_prompt(name: str, min_tokens: int, tok: Any = None) -> str:
+    """A real prompt of ``benchmarks/prompts/NAME.txt`` cut to about ``min_tokens`` tokens (of ``tok``,
+    default SmolLM2's): its document's first lines up to that length, then its closing question."""
     text = (REPO / "benchmarks" / "prompts" / f"{name}.txt").read_text().strip()
     body, question = text.rsplit("\n\n", 1)
-    tok = tokenizer()
+    tok = tok or tokenizer()
     lines = body.split("\n")
     kept = len(lines)
     for n in range(1, len(lines) + 1):

@@ -90,6 +90,20 @@ def smollm2_first_layers(num_layers: int) -> Path:
     return _publish(build, target)
 
 
+TINY_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.5,
+    "torch_dtype": "float32",
+}
+
+
 def tiny_family(family: str, seed: int = 0) -> Path:
     """A random two-layer model of ``family`` (one of ``FAMILIES``) with SmolLM2's tokenizer."""
     if family not in FAMILIES:
@@ -97,34 +111,38 @@ def tiny_family(family: str, seed: int = 0) -> Path:
     target = _variants_home() / f"tiny-{family}-{seed}"
     if (target / "model.safetensors").is_file():
         return target
+    return random_model(family, TINY_SHAPE, prepare_smollm2(progress=False), target, seed)
+
+
+def random_model(family: str, shape: dict, tokenizer_dir: Path, target: Path, seed: int = 0) -> Path:
+    """A randomly initialised model of ``family`` and ``shape`` (config fields) written to ``target``,
+    with the tokenizer files of ``tokenizer_dir`` (whose ``config.json`` or ``tokenizer.json`` sets
+    the vocabulary size unless ``shape`` does). Weights are drawn here from ``seed``, never fetched:
+    the GPU check builds its model this way on a machine that holds only the tokenizer."""
     import transformers
 
-    src = prepare_smollm2(progress=False)
-    config_cls, model_cls, fields = FAMILIES[family]
-    shape = {
-        "vocab_size": json.loads((src / "config.json").read_text())["vocab_size"],
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": True,
-        "initializer_range": 0.5,
-        "torch_dtype": "float32",
-    }
+    config_cls, model_cls, fields = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), **FAMILIES}[family]
+    shape = {"vocab_size": _vocab_size(tokenizer_dir), **shape}
     config = getattr(transformers, config_cls)(**{**shape, **fields})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
+    scale = shape.get("initializer_range", config.initializer_range)
     with torch.no_grad():  # biases start at zero and norms at one: random, so the family's own terms count
         for name, p in model.named_parameters():
             if name.endswith("bias"):
-                p.normal_(0.0, shape["initializer_range"])
+                p.normal_(0.0, scale)
             elif "norm" in name:
                 p.normal_(1.0, 0.2)
     target.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(dir=target.parent))
     model.save_pretrained(build)
-    _copy_tokenizer(src, build)
+    _copy_tokenizer(tokenizer_dir, build)
     return _publish(build, target)
+
+
+def _vocab_size(tokenizer_dir: Path) -> int:
+    config = tokenizer_dir / "config.json"
+    if config.is_file():
+        return json.loads(config.read_text())["vocab_size"]
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    return len(vocab)

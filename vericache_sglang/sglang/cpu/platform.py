@@ -34,6 +34,7 @@ from collections.abc import Sequence
 MODULE = "sgl_kernel"
 ENV = "SGLANG_USE_CPU_ENGINE"
 DETERMINISTIC_ENV = "VERICACHE_CPU_DETERMINISTIC"
+TORCH_KERNELS_ENV = "VERICACHE_TORCH_KERNELS"  # a CUDA GPU without sgl_kernel: cuda_stand_in.py
 BATCH_INVARIANT = "sglang.srt.batch_invariant_ops"
 
 
@@ -116,9 +117,16 @@ class CpuBatchInvariantMode(importlib.abc.MetaPathFinder):
 
 def install() -> bool:
     """Append the stand-in finder (once) when SGLang's CPU engine is requested, and with the
-    deterministic switch put the batch-invariant answer first; returns whether the stand-in is on."""
+    deterministic switch put the batch-invariant answer first; on a CUDA machine without SGLang's
+    kernel packages (``VERICACHE_TORCH_KERNELS=1``) install ``cuda_stand_in``'s finders instead.
+    Returns whether a stand-in is on."""
     if not cpu_engine_requested():
-        return False
+        if os.environ.get(TORCH_KERNELS_ENV, "0") != "1":
+            return False
+        from vericache_sglang.sglang.cpu import cuda_stand_in
+
+        cuda_stand_in.install()
+        return True
     if not any(isinstance(f, SglKernelStandIn) for f in sys.meta_path):
         sys.meta_path.append(SglKernelStandIn())
     if os.environ.get(DETERMINISTIC_ENV, "0") == "1" and not any(
