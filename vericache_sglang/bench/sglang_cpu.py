@@ -107,7 +107,7 @@ def _measure(server: SGLangServer, loads: dict[str, list[Ask]], reference: dict 
 
 
 @contextlib.contextmanager
-def _store_server(logs: Path) -> Iterator[str]:
+def store_server(logs: Path) -> Iterator[str]:
     """Our gRPC store server on loopback for ``full_kv: "store"``; yields its URL."""
     token = secrets.token_hex(8)
     (logs / "store.token").write_text(token)
@@ -157,7 +157,7 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
         stock.stop()
     reference = {r["load"]: r.pop("_answers") for r in rows}
     compressors = cfg.get("compressors") or [cfg["vericache"]["compressor"]]
-    with _store_server(logs) as store_url:
+    with store_server(logs) as store_url:
         for compressor in compressors:
             for mode in cfg["modes"]:
                 name = f"vericache {mode}" if len(compressors) == 1 else f"vericache {mode} {compressor}"

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from vericache_sglang.bench.common import REPO, load_config, table
-from vericache_sglang.bench.sglang_cpu import _store_server
+from vericache_sglang.bench.sglang_cpu import store_server
 from vericache_sglang.bench.sglang_server import (
     PLATFORMS,
     Answer,
@@ -63,10 +63,8 @@ PERSON = {
 }
 
 
-def _tokenizer_dir(cfg: dict) -> Path:
+def _tokenizer_dir() -> Path:
     """The carried tokenizer (the bundle's) where there is one, else the local SmolLM2 cache."""
-    if cfg.get("tokenizer"):
-        return Path(cfg["tokenizer"])
     if (BUNDLED_TOKENIZER / "tokenizer.json").is_file():
         return BUNDLED_TOKENIZER
     from vericache_sglang.engine.model import prepare_smollm2
@@ -164,7 +162,7 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
         model = Path(model_cfg["path"])
     else:
         model = random_model(
-            model_cfg["family"], model_cfg["shape"], _tokenizer_dir(cfg), logs / "model", model_cfg.get("seed", 0)
+            model_cfg["family"], model_cfg["shape"], _tokenizer_dir(), logs / "model", model_cfg.get("seed", 0)
         )
     tok = tokenizer(str(model))
     questions, load = _questions(cfg, tok), _long_load(cfg, tok)
@@ -181,7 +179,7 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
 
     with ExitStack() as stack:
         try:  # a store that does not start costs the store row only
-            store_url, store_error = stack.enter_context(_store_server(logs)), None
+            store_url, store_error = stack.enter_context(store_server(logs)), None
         except Exception as e:
             store_url, store_error = "", f"the store server did not start: {type(e).__name__}: {e}"
         for name in cfg["servers"]:

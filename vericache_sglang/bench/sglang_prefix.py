@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from vericache_sglang.bench.common import load_config, table
-from vericache_sglang.bench.sglang_cpu import _store_server
+from vericache_sglang.bench.sglang_cpu import store_server
 from vericache_sglang.bench.sglang_server import SGLangServer, document_prompt, metric_growth, model_dir, peak_tokens
 from vericache_sglang.engine.hardware import memory_bandwidth
 
@@ -98,7 +98,7 @@ def _run_system(cfg: dict, system: str, ratio: float | None, documents: dict[str
     machine's memory (None: stock, which has no store); every document, A then B."""
     label = system if ratio is None else f"{system} (link ratio {ratio:g})"
     rows: list[dict] = []
-    with _store_server(logs) as store_url:
+    with store_server(logs) as store_url:
         args, vericache = _launch_args(cfg, system, store_url if ratio is None else f"{store_url}?link_ratio={ratio:g}")
         name = system if ratio is None else f"{system}-r{ratio:g}"
         servers = [SGLangServer(logs, f"{name}-{side}", *args, vericache=vericache, wait=False) for side in ("a", "b")]
@@ -165,7 +165,7 @@ def _run_client(cfg: dict, logs: Path, log) -> list[dict]:
     rows, texts = [], {}
     ratio = cfg["link_ratios"][0]
     for system in ("stock", "vericache"):
-        with _store_server(logs) as store_url:
+        with store_server(logs) as store_url:
             args, vericache = _launch_args(cfg, system, f"{store_url}?link_ratio={ratio:g}")
             server = SGLangServer(logs, f"client-{system}", *args, vericache=vericache)
             try:

@@ -55,9 +55,9 @@ CPU_TRITON = Platform(
 # a GPU. SGLang's CUDA modules load through the platform layer's stand-ins (VERICACHE_TORCH_KERNELS,
 # sglang/cpu/cuda_stand_in.py; tested here with CUDA faked), and this environment keeps calls off
 # them: fused layers in torch (the switch covers SiluAndMul, RMSNorm, rotary and the position
-# clamp, whose JIT kernels need nvcc), no check of an installed sglang-kernel, no attempt to
-# JIT-compile the KV write kernel, and the Python radix tree core (the wheel's Rust core, built
-# against torch 2.14.1, panicked under the image's torch 2.11).
+# clamp, whose JIT kernels need nvcc), no check of an installed sglang-kernel, and no attempt to
+# JIT-compile the KV write kernel. (The image's torch 2.11 also needs SGLang's Python radix-tree
+# core: scripts/gpu_check.sh, which installs onto that image, sets it for the dry run too.)
 CUDA_TORCH = Platform(
     "cuda",
     (
@@ -80,7 +80,6 @@ CUDA_TORCH = Platform(
         ("SGLANG_FORCE_FUSED_OP_BACKEND", "torch"),
         ("SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "1"),
         ("SGLANG_CRASH_ON_JIT_COMPILE", "1"),
-        ("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python"),
     ),
 )
 PLATFORMS = {p.name: p for p in (CPU, CPU_TRITON, CUDA_TORCH)}
