@@ -76,6 +76,7 @@ def test_homogeneity_test_tells_samplers_apart():
     assert homogeneity_p(one, sharp) < ALPHA
 
 
+@pytest.mark.slow  # 2 min of 600 short draws; the seeded tests hold the same sampler to stock's every token
 def test_unseeded_sampling_draws_stocks_distribution(stock_server, vericache):
     # all three samples at once: VeriCache's two mix in its batches, and the two servers share the cores
     with cf.ThreadPoolExecutor(3) as pool:

@@ -8,8 +8,9 @@ at 1/8) both run SmolLM2 cut to its first two layers (the interpreter is slow), 
 ``--enable-deterministic-inference`` (the only mode in which stock SGLang honours a seed; on CPU
 through the platform layer's ``VERICACHE_CPU_DETERMINISTIC=1``, which leaves torch's CPU matmuls
 where SGLang would install batch-invariant GPU kernels): greedy, JSON-schema and concurrent answers
-identical to stock's, and seeded and unseeded sampled answers too, token for token, on both of
-stock's sampling paths (``step/seeded_draw.py``); ``/metrics`` shows which backend class ran every
+identical to stock's, and a seeded sample (the heavy set: seeded and unseeded sampled answers of
+every kind, token for token, on both of stock's sampling paths, ``step/seeded_draw.py``);
+``/metrics`` shows which backend class ran every
 TARGET_VERIFY pass, and drafts
 accepted (draft passes reading the target pool's rows, as they did before the private pool got
 a KV index translator of its own, commit under half as many tokens per verification). The heavy
@@ -63,6 +64,9 @@ def test_triton_backend_answers_as_stock_through_its_masked_verify(servers, exac
     ]
     same_as_stock(stock, ours, questions, exactness, f"triton (interpreted, SmolLM2 {LAYERS} layers)")
     after = ours.metrics()
+    # a seeded sample, in a batch of its own (stock's plain sampling path); the heavy set asks every kind
+    seeded = Ask(prompt("prose", 60), "completion", max_tokens=12, params={"temperature": 0.8, "seed": 7})
+    same_as_stock(stock, ours, [seeded], exactness, "triton sampled, seeded")
     by_backend = ours.labelled("vericache_target_verify_forwards_total", "backend")
     assert set(by_backend) == {"TritonAttnBackend"}, by_backend  # the chain backend never ran
     assert metric_growth(after, before, "vericache_target_verify_forwards_total") > 0
@@ -158,6 +162,7 @@ def sampled_as_stock(stock: SGLangServer, ours: SGLangServer, exactness, name: s
         assert answers[0] == answers[1], answers
 
 
+@pytest.mark.slow  # the default set's seeded request is in the test above
 def test_sampled_requests_are_stocks_token_for_token(servers, exactness):
     sampled_as_stock(*servers, exactness, "triton", every_kind=False)
 
