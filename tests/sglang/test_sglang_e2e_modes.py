@@ -143,12 +143,19 @@ def _bytes_are_the_requests_full_kv(before: dict, after: dict, got, horizon: int
         pytest.param(STREAMING, "device", None, id="streamingllm-device", marks=pytest.mark.slow),
         pytest.param(SNAPKV, "store", "redis", id="snapkv-store-redis", marks=pytest.mark.slow),
         pytest.param(SNAPKV, "store", "lmcache", id="snapkv-store-lmcache", marks=pytest.mark.slow),
+        # the sharded store: Redis Cluster (three primaries) through redis-py's cluster client
+        pytest.param(SNAPKV, "store", "redis-cluster", id="snapkv-store-redis-cluster", marks=pytest.mark.slow),
         pytest.param(STREAMING, "store", "redis", id="streamingllm-store-redis", marks=pytest.mark.slow),
         pytest.param(STREAMING, "host", None, id="streamingllm-host", marks=pytest.mark.slow),
     ],
 )
 def test_each_full_kv_place_answers_as_stock(request, stock_server, sglang_logs, exactness, compressor, full_kv, store):
-    fixture = {"grpc": "store_url", "redis": "redis_url", "lmcache": "lmcache_url"}.get(store)
+    fixture = {
+        "grpc": "store_url",
+        "redis": "redis_url",
+        "redis-cluster": "redis_cluster_url",
+        "lmcache": "lmcache_url",
+    }.get(store)
     url = request.getfixturevalue(fixture) if fixture else None
     name = f"{compressor.split(':')[0]}-{full_kv}{'-' + store if store else ''}"
     server = SGLangServer(sglang_logs, name, vericache=_config(compressor, full_kv, url))

@@ -3,8 +3,8 @@ config ``benchmarks/configs/sglang_prefix.json``, fixed before measuring).
 
 Two servers of one system, A and B, side by side; for each document (a real prompt's document cut
 to about ``document_tokens`` tokens, the system message), one question to A, then another to B,
-each streamed. B never saw the document. Three systems, one after the other on the same machine,
-the two with a store once per ``link_ratios`` entry (the store behind a link that many times slower
+each streamed. B never saw the document. Four systems, one after the other on the same machine,
+those with a store once per ``link_ratios`` entry (the store behind a link that many times slower
 than this machine's measured memory bandwidth, ``?link_ratio=R``):
 
 - ``stock``: stock SGLang; B prefills the document (its radix tree is its own);
@@ -13,8 +13,13 @@ than this machine's measured memory bandwidth, ``?link_ratio=R``):
   prefilling it, then drafts and verifies as usual;
 - ``hicache``: stock SGLang with HiCache (``--enable-hierarchical-cache``) over the same kind of
   store through our HiCache storage backend (``vericache_sglang/sglang/storage.py``), SGLang's own
-  way of sharing a prefix through L3 storage; when it does not launch on this machine, its row
-  says why.
+  way of sharing a prefix through L3 storage (on CPU through the platform layer's answers to its
+  CUDA assumptions, ``sglang/cpu/hicache.py``); B prefetches the document's pages from the store
+  into its host pool and loads them onto the device before it prefills the rest; a system that
+  does not launch gets a row saying why;
+- ``vericache-hicache``: ``--enable-vericache`` (``full_kv: "device"``) on HiCache, the two over
+  the same store: HiCache moves the document's full KV (B prefetches it), VeriCache drafts over a
+  compressed copy B makes of it (``draft/hicache_tree.py``).
 
 Per question: time to first token, tokens/s after it, the prompt tokens SGLang reports cached,
 peak device KV (``sglang:num_used_tokens``, polled), what VeriCache's B loaded and fetched from
@@ -79,9 +84,10 @@ def _launch_args(cfg: dict, system: str, store_url: str) -> tuple[list[str], dic
     args = list(cfg["server_args"])
     if system == "vericache":
         return args, {**cfg["vericache"], "full_kv": "store", "store": store_url}
-    if system == "hicache":
+    if system in ("hicache", "vericache-hicache"):
         extra = {**cfg["hicache"]["extra_config"], "store_url": store_url}
-        return [*args, *cfg["hicache"]["args"], "--hicache-storage-backend-extra-config", json.dumps(extra)], None
+        args += [*cfg["hicache"]["args"], "--hicache-storage-backend-extra-config", json.dumps(extra)]
+        return args, ({**cfg["vericache"], "full_kv": "device"} if system == "vericache-hicache" else None)
     return args, None
 
 
@@ -123,7 +129,7 @@ def _run_system(cfg: dict, system: str, ratio: float | None, documents: dict[str
                     grown = server.metrics()
                     row = {"system": system, "link_ratio": ratio, "server": side, "document": doc, **row}
                     row["peak_kv_tokens"] = peak[0]
-                    if side == "b" and system == "vericache":
+                    if side == "b" and system.startswith("vericache"):
                         row.update({k: metric_growth(grown, before, m) for k, m in B_METRICS.items()})
                     rows.append(row)
                     log(
@@ -160,11 +166,11 @@ def sglang_client(server: SGLangServer, cfg: dict, out: Path) -> dict:
 
 
 def _run_client(cfg: dict, logs: Path, log) -> list[dict]:
-    """Stock SGLang, then VeriCache (full KV in the store, the first link ratio), one server each,
+    """Each system (stock first; those with a store at the first link ratio), one server each,
     under SGLang's own client; each output compared with stock's."""
     rows, texts = [], {}
     ratio = cfg["link_ratios"][0]
-    for system in ("stock", "vericache"):
+    for system in cfg["systems"]:
         with store_server(logs) as store_url:
             args, vericache = _launch_args(cfg, system, f"{store_url}?link_ratio={ratio:g}")
             server = SGLangServer(logs, f"client-{system}", *args, vericache=vericache)

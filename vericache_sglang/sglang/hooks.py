@@ -110,10 +110,10 @@ def _unsupported(server_args: ServerArgs, cfg: VeriCacheConfig) -> list[str]:
         problems.append("LoRA: drafts and verification would need the same adapter routing")
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache: compressed copies live next to the radix tree")
-    if getattr(server_args, "enable_hierarchical_cache", False):
+    if getattr(server_args, "enable_hierarchical_cache", False) and cfg.full_kv != "device":
         problems.append(
-            "--enable-hierarchical-cache: VeriCache's worker moves the full KV itself "
-            "(vericache-config full_kv store or host); HiCache's device tree is not combined with it yet"
+            f"--enable-hierarchical-cache with full_kv={cfg.full_kv}: HiCache moves the full KV between "
+            "its tiers itself (host pool, --hicache-storage-backend); use full_kv device with it"
         )
     return problems
 

@@ -5,5 +5,7 @@
   ``VERICACHE_CPU_DETERMINISTIC=1`` it answers deterministic inference's GPU-only set-up on CPU
 - ``ops``: the kernel-package ops SGLang's CPU path calls (pool moves, slot writes, the seeded
   draw's hash), in torch
+- ``hicache``: SGLang's HiCache on a CPU device (unpinned host pools, the direct io backend's copies
+  in torch)
 - ``chain_attention``: chain verification on ``torch_native`` (which has no speculative path)
 """

@@ -20,6 +20,10 @@ Triton matmuls for the accelerator's dispatch key and raises "No supported accel
 CPU by leaving torch's CPU kernels in place (logged): SGLang's seeded sampler then runs as on a GPU,
 but outputs are batch-invariant only as far as torch's CPU kernels are. Tests use it to have a
 stock reference for seeded requests; without the switch SGLang's own error stands.
+
+**HiCache on CPU** (always, with the CPU engine): ``hicache`` answers the three places where
+``--enable-hierarchical-cache`` assumes CUDA (pinned host pools, the ``direct`` io backend's copies,
+the ``kernel`` io backend), so stock SGLang's HiCache, its L3 storage backends included, runs here.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import importlib.machinery
 import os
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 MODULE = "sgl_kernel"
 ENV = "SGLANG_USE_CPU_ENGINE"
@@ -88,36 +92,57 @@ def _cpu_batch_invariant_mode(*args: object, **kwargs: object) -> None:
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    """Runs the real module, then answers its accelerator-only entry point on CPU."""
+    """Runs the real module, then applies its CPU patch."""
 
-    def __init__(self, loader: importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, patch: Callable[[types.ModuleType], None]):
         self.loader = loader
+        self.patch = patch
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
         self.loader.exec_module(module)
-        module.enable_batch_invariant_mode = _cpu_batch_invariant_mode
+        self.patch(module)
 
 
-class CpuBatchInvariantMode(importlib.abc.MetaPathFinder):
-    """Finds SGLang's ``batch_invariant_ops`` package through the path finder and patches one name."""
+class CpuPatches(importlib.abc.MetaPathFinder):
+    """Finds the SGLang modules in ``patches`` through the path finder and patches each once it
+    has run (every other module is left to the finders after this one)."""
+
+    def __init__(self, patches: dict[str, Callable[[types.ModuleType], None]]):
+        self.patches = dict(patches)
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != BATCH_INVARIANT:
+        patch = self.patches.get(fullname)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _PatchingLoader(spec.loader)
+            spec.loader = _PatchingLoader(spec.loader, patch)
         return spec
 
 
+def _batch_invariant_patch(module: types.ModuleType) -> None:
+    module.enable_batch_invariant_mode = _cpu_batch_invariant_mode
+
+
+def cpu_patches() -> dict[str, Callable[[types.ModuleType], None]]:
+    """The modules patched on CPU: HiCache's host tier always (``hicache``), deterministic
+    inference's set-up with the deterministic switch."""
+    from vericache_sglang.sglang.cpu import hicache
+
+    patches = dict(hicache.PATCHES)
+    if os.environ.get(DETERMINISTIC_ENV, "0") == "1":
+        patches[BATCH_INVARIANT] = _batch_invariant_patch
+    return patches
+
+
 def install() -> bool:
-    """Append the stand-in finder (once) when SGLang's CPU engine is requested, and with the
-    deterministic switch put the batch-invariant answer first; on a CUDA machine without SGLang's
+    """Append the stand-in finder (once) when SGLang's CPU engine is requested, and put the CPU
+    patches (``cpu_patches``) first; on a CUDA machine without SGLang's
     kernel packages (``VERICACHE_TORCH_KERNELS=1``) install ``cuda_stand_in``'s finders instead.
     Returns whether a stand-in is on."""
     if not cpu_engine_requested():
@@ -129,10 +154,8 @@ def install() -> bool:
         return True
     if not any(isinstance(f, SglKernelStandIn) for f in sys.meta_path):
         sys.meta_path.append(SglKernelStandIn())
-    if os.environ.get(DETERMINISTIC_ENV, "0") == "1" and not any(
-        isinstance(f, CpuBatchInvariantMode) for f in sys.meta_path
-    ):
-        sys.meta_path.insert(0, CpuBatchInvariantMode())
+    if not any(isinstance(f, CpuPatches) for f in sys.meta_path):
+        sys.meta_path.insert(0, CpuPatches(cpu_patches()))
     return True
 
 

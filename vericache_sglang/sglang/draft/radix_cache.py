@@ -47,10 +47,16 @@ from vericache_sglang.sglang.step.draft_state import OBS_WINDOW
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.base_prefix_cache import InsertResult
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, InsertResult
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
-_TREES: weakref.WeakValueDictionary[int, VeriCacheRadixCache] = weakref.WeakValueDictionary()
+_TREES: weakref.WeakValueDictionary[int, BasePrefixCache] = weakref.WeakValueDictionary()
+
+
+def register_tree(tree: BasePrefixCache) -> None:
+    """Make ``tree`` (a vericache radix cache, or the HiCache one) the worker's way to its pool."""
+    if tree.token_to_kv_pool_allocator is not None:
+        _TREES[id(tree.token_to_kv_pool_allocator)] = tree
 
 
 def tree_for(allocator: BaseTokenToKVPoolAllocator) -> VeriCacheRadixCache | None:
@@ -79,8 +85,7 @@ class VeriCacheRadixCache(RadixCache):
         self.copies_evicted = 0
         # called with a request's id when SGLang releases its row (finish, abort, retraction)
         self.release_listeners: list[Callable[[str], None]] = getattr(self, "release_listeners", [])
-        if self.token_to_kv_pool_allocator is not None:
-            _TREES[id(self.token_to_kv_pool_allocator)] = self
+        register_tree(self)
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """SGLang's match; with ``full_kv: "store"``, a scheduled request's prompt is also looked
@@ -185,6 +190,18 @@ class VeriCacheRadixCache(RadixCache):
             node = node.parent
         return result, None
 
+    def copy_for(self, req: Req, cached: int, grain: int) -> CompressedPrefix | None:
+        """The copy of the longest prefix on the path of ``req``'s matched node (``cached`` tokens)
+        that has one (the worker keeps copies at multiples of ``grain``; the walk finds them)."""
+        node = getattr(req, "last_node", None)
+        if node is None or self._path_len(node) != cached:
+            return None
+        return self.nearest_copy(node)
+
+    def keep_copy(self, req: Req, copy: CompressedPrefix) -> None:
+        """Attach ``copy``, the compressed KV of ``req``'s first ``copy.num_tokens`` prompt tokens."""
+        self.attach_copy(self.node_at(req, copy.num_tokens), copy)
+
     def copy_at(self, node: TreeNode) -> CompressedPrefix | None:
         """The copy attached to ``node`` itself (not to an ancestor)."""
         entry = self._copies.get(node.id)
@@ -251,10 +268,15 @@ class VeriCacheRadixCache(RadixCache):
         return n
 
 
-def create_radix_cache(ctx: TreeCacheBuildContext) -> VeriCacheRadixCache:
-    """Factory registered as ``vericache`` in SGLang's radix-cache registry."""
+def create_radix_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
+    """Factory registered as ``vericache`` in SGLang's radix-cache registry; with HiCache on,
+    SGLang's own HiCache tree carrying the copies (``hicache_tree``)."""
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or getattr(ctx, "is_dsa", False):
         raise ValueError("the vericache radix cache serves full-attention models only")
     if ctx.enable_hierarchical_cache:
-        raise ValueError("the vericache radix cache does not combine with --enable-hierarchical-cache yet")
+        from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+        from vericache_sglang.sglang.draft.hicache_tree import VeriCacheHiRadixCache
+
+        return create_unified_radix_cache(ctx, cache_class=VeriCacheHiRadixCache)
     return VeriCacheRadixCache(ctx.params)

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.model_executor.model_runner import ModelRunner
 
+    from vericache_sglang.sglang.draft.hicache_tree import VeriCacheHiRadixCache
+
 logger = logging.getLogger(__name__)
 MIN_SHARED_PREFIX = 256  # a cached prefix shorter than this is compressed with the prompt, not shared
 COPY_GRAIN = 256  # compressed copies end at multiples of this many tokens
@@ -74,8 +76,9 @@ class PromptAdmission:
             logger.warning("VeriCache: request %s has no draft row (%s); verified one token per step", req.rid, e)
         return full
 
-    def tree(self) -> VeriCacheRadixCache | None:
-        """The vericache radix cache (built after the worker's pools), told to report released rows."""
+    def tree(self) -> VeriCacheRadixCache | VeriCacheHiRadixCache | None:
+        """The vericache radix cache (built after the worker's pools; SGLang's HiCache tree with
+        HiCache on), told to report released rows."""
         tree = tree_for(self.runner.token_to_kv_pool_allocator)
         if tree is not None and self.on_release not in tree.release_listeners:
             tree.release_listeners.append(self.on_release)
@@ -85,10 +88,9 @@ class PromptAdmission:
         """The compressed copy of a cached prefix ``req`` continues (``cached`` tokens matched in
         the tree), or None when it shares too little to draft from one."""
         tree = self.tree()
-        node = getattr(req, "last_node", None)
-        if tree is None or node is None or cached < MIN_SHARED_PREFIX or tree.path_len(node) != cached:
+        if tree is None or cached < MIN_SHARED_PREFIX:
             return None
-        copy = tree.nearest_copy(node)
+        copy = tree.copy_for(req, cached, COPY_GRAIN)
         if copy is not None:
             self.capture.forget(req.rid)
             self.count("prefix_copy_hits")
@@ -99,6 +101,6 @@ class PromptAdmission:
         copy = CompressedPrefix(
             length, self.compressor.compress(full.slice(0, length), self.capture.observation(req.rid, follows=True))
         )
-        tree.attach_copy(tree.node_at(req, length), copy)
+        tree.keep_copy(req, copy)
         self.count("prefix_copies_made")
         return copy
