@@ -64,8 +64,9 @@ def test_the_full_kv_in_the_store_answers_as_stock_and_serves_a_stored_prefix(
     """The default set's store-mode server (SnapKV, our gRPC store): answers are stock's, every
     request's full KV went to the store and came back for its verifications; a prompt asked again
     finds its prefix in the store (the first request's prompt never entered the tree), loads it
-    instead of prefilling it, and answers as stock does. What ``/metrics`` counts as written and
-    fetched is that request's own full KV: written once, fetched once per verification."""
+    instead of prefilling it, and answers as stock does. What ``/metrics`` counts as written is that
+    request's own full KV, once; as fetched, its whole context (the stored prefix left the device
+    with it) once per verification."""
     # first in this module: its server is stopped before the others start (the host pool asks for
     # 10 GiB of free memory beside itself)
     server = store_mode_launch
@@ -118,11 +119,12 @@ def _garble_layer(store_url: str, text: str, layer: int) -> None:
 
 
 def _bytes_are_the_requests_full_kv(before: dict, after: dict, got, horizon: int) -> None:
-    """One request alone on the server: its own positions (the prompt past the stored prefix the
-    tree now holds, then what it committed) were written to the store once each, and each
-    verification fetched all of them written by then, as whole tokens of SmolLM2's full KV. The
-    last verification may commit up to ``horizon`` tokens past ``max_tokens``: SGLang trims them
-    from the answer after their KV has left the device."""
+    """One request alone on the server, over a stored prefix its tree now holds: its own positions
+    (the prompt past that prefix, then what it committed) were written to the store once each; the
+    prefix left the device with it (unpinned from the tree, counted as streamed), so each
+    verification fetched its whole context written by then, prefix included, as whole tokens of
+    SmolLM2's full KV. The last verification may commit up to ``horizon`` tokens past
+    ``max_tokens``: SGLang trims them from the answer after their KV has left the device."""
     config = AutoConfig.from_pretrained(smollm2_dir())
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4  # float32
     grown = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -131,8 +133,10 @@ def _bytes_are_the_requests_full_kv(before: dict, after: dict, got, horizon: int
     assert written % per_token == 0 and fetched % per_token == 0, (written, fetched, per_token)
     own, most = got.prompt_tokens - got.cached_tokens, got.prompt_tokens - got.cached_tokens + got.completion_tokens
     assert own <= written // per_token <= most + horizon, (written // per_token, own, most)
+    assert grown["vericache_store_prefixes_streamed_total"] == 1
     assert verifications >= 1
-    assert verifications * own <= fetched // per_token <= verifications * (most + horizon)
+    whole, longest = got.prompt_tokens, got.prompt_tokens + got.completion_tokens + horizon
+    assert verifications * whole <= fetched // per_token <= verifications * longest, (fetched // per_token, whole)
 
 
 @pytest.mark.parametrize(

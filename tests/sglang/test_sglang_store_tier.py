@@ -24,6 +24,7 @@ from offload_setup import (
     verify_reading,
 )
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -131,12 +132,22 @@ def test_a_store_that_refuses_the_writes_leaves_the_request_on_the_device():
     assert seen == [True]
 
 
-def test_a_matched_prefix_is_written_to_the_store_for_other_servers_and_stays_with_the_tree():
+def test_a_matched_prefix_is_written_to_the_store_and_leaves_the_device_with_the_request():
+    """The prefix the request matched in the tree goes to the store (for other servers) and is
+    fetched with the request's own positions for each verification: the request unpins it, so the
+    tree may evict it mid-request, and every verification still reads the whole row exactly."""
     s = Setup()
     offload, _ = store_offload(s)
+    total = s.alloc.available_size()
     prompt = list(range(100, 148))
-    _, req = s.over_cached_prefix(prompt, 32)
-    assert offload.admit(req, 48) == 16  # only [32, 48) leaves the device: the prefix is the tree's
+    first, req = s.over_cached_prefix(prompt, 32)
+    s.rows.free(first)  # the tree owns the prefix's 32 slots
+    assert s.cache.protected_size() == 32 and s.cache.evictable_size() == 0  # pinned by the request
+    assert offload.admit(req, 48) == 16  # written: [32, 48); the prefix was only read for the store
+    row = s.rows.req_to_token[req.kv.req_pool_idx]
+    assert bool((row[:48] == PAD_SLOT).all()) and req.lock is None and req.kv.cache_protected_len == 0
+    assert s.cache.protected_size() == 0 and s.cache.evictable_size() == 32  # the tree's cache now
+    assert offload.tier.num_tokens(req.rid) == 48 and offload.prefixes_streamed == 1
     store = offload.tier.store
     assert store.longest_prefix(prompt) == 48  # every whole chunk of the prompt, prefix included
     kv = store.load_prefix(prompt, 48)
@@ -145,6 +156,29 @@ def test_a_matched_prefix_is_written_to_the_store_for_other_servers_and_stays_wi
         assert torch.equal(k.transpose(0, 1), s.kv["b"][layer][:, 0]) and torch.equal(
             v.transpose(0, 1), s.kv["b"][layer][:, 1]
         )
+    for step in range(2):
+        plan_and_draft(offload, [req])
+        seen: list[bool] = []
+        offload.verify([req], verify_reading(s, req, seen), width=5)
+        assert seen == [True], f"step {step}"
+        assert offload.reloaded_bytes == (step + 1) * 48 * offload.tier.bytes_per_token
+        s.cache.evict(EvictParams(num_tokens=512))  # the tree lets the prefix go: nothing reads it
+        assert s.cache.evictable_size() == 0
+    finish(req)
+    release_kv_cache(req, s.cache, checkpoint=True)
+    assert offload.arena is None and s.alloc.available_size() == total  # every slot back once
+
+
+def test_a_matched_prefix_stays_pinned_when_one_reload_could_not_carry_the_prompt():
+    """A prompt longer than the reload room keeps its matched prefix on the device, pinned by the
+    request as SGLang pins it; its own positions move as far as the room allows. Still exact."""
+    s = Setup()
+    offload, _ = store_offload(s, reload_room=0.08)  # 40 arena slots for a 48-token prompt
+    prompt = list(range(100, 148))
+    _, req = s.over_cached_prefix(prompt, 32)
+    assert offload.admit(req, 48) == 16  # its own [32, 48); the prefix stays the tree's
+    assert req.lock is not None and req.kv.cache_protected_len == 32 and offload.prefixes_streamed == 0
+    assert s.cache.protected_size() == 32
     plan_and_draft(offload, [req])
     seen: list[bool] = []
     offload.verify([req], verify_reading(s, req, seen), width=5)

@@ -74,6 +74,11 @@ class WorkerMetrics:
             "Stored prompt prefixes that did not load (store down, record missing or bad), computed instead",
             names,
         ).labels(**labels)
+        self.prefixes_streamed = Counter(
+            "vericache_store_prefixes_streamed",
+            "Requests whose cached prompt prefix left the device with their full KV, fetched for each verification",
+            names,
+        ).labels(**labels)
         self.prefix_copies_made = Counter(
             "vericache_prefix_copies_made", "Compressed copies made of cached prefixes", names
         ).labels(**labels)

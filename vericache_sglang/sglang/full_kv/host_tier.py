@@ -85,6 +85,8 @@ class HostFullKV:
     which the caller owns: this class never allocates or frees device slots).
     """
 
+    streams_prefix = False  # a request's matched prefix stays the radix tree's, on the device
+
     def __init__(
         self,
         device_pool: MHATokenToKVPool,
@@ -153,8 +155,18 @@ class HostFullKV:
 
     # -- device to host -------------------------------------------------------------------------
 
-    def open(self, rid: str, tokens: Sequence[int], prefix_slots: torch.Tensor, shared: bool = True) -> None:
-        """A prefilled request (the host tier holds KV by slot, not by token: nothing to note)."""
+    def open(
+        self,
+        rid: str,
+        tokens: Sequence[int],
+        prefix_slots: torch.Tensor,
+        shared: bool = True,
+        from_start: bool = False,
+    ) -> None:
+        """A prefilled request (the host tier holds KV by slot, not by token: nothing to note). Its
+        matched prefix stays the tree's (``streams_prefix`` is False: no copy of it is here)."""
+        if from_start:
+            raise ValueError("the host tier does not hold a request's matched prefix")
 
     def extend(self, rid: str, tokens: Sequence[int]) -> None:
         """Tokens committed after the request's known ones (nothing to note)."""

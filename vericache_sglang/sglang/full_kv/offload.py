@@ -42,6 +42,7 @@ import torch
 from remote_store import StoreError
 from vericache_sglang.core.schedule import StaggeredScheduler
 from vericache_sglang.sglang.config import VeriCacheConfig
+from vericache_sglang.sglang.draft.radix_cache import tree_for
 from vericache_sglang.sglang.full_kv.host_tier import HostFullKV, HostTierFull
 from vericache_sglang.sglang.full_kv.offload_rows import RequestOffload, SlotArena, register_offload
 from vericache_sglang.sglang.full_kv.reloads import StaggeredReloads
@@ -49,6 +50,7 @@ from vericache_sglang.sglang.full_kv.reloads import StaggeredReloads
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
@@ -115,7 +117,8 @@ class FullKVOffload:
         self.offloaded_bytes = 0  # totals, for the worker's metrics
         self.reloaded_bytes = 0
         self.recomputed = 0  # reloads the tier did not deliver, recomputed instead
-        self._counted = (0, 0, 0, 0, 0, 0)  # what count_into has already added to the metrics
+        self.prefixes_streamed = 0  # matched prefixes unpinned from the tree, fetched per verification
+        self._counted = (0, 0, 0, 0, 0, 0, 0)  # what count_into has already added to the metrics
         self._verify_from = 0
         self._unplanned: list[str] = []
         self._planned: set[str] = set()
@@ -125,19 +128,43 @@ class FullKVOffload:
     # -- after prefill and after each verification --------------------------------------------
 
     def admit(self, req: Req, prompt_len: int) -> int:
-        """A prefilled request: the tier learns its prompt (and the radix-tree prefix it matched,
-        which stays on the device), then its own positions leave the device; returns tokens moved."""
+        """A prefilled request: the tier learns its prompt and the radix-tree prefix it matched, then
+        its own positions leave the device; returns tokens moved. With a tier that can fetch the
+        matched prefix too (``streams_prefix``: the store holds it), it leaves with them: the request
+        is unpinned from the tree and each verification fetches its whole context, so a running
+        request pins no device KV; the tree's copy stays as an evictable cache for later prompts."""
         start = int(req.kv.cache_protected_len)
-        row = self.ledger.req_to_token[int(req.kv.req_pool_idx)]
+        idx = int(req.kv.req_pool_idx)
+        row = self.ledger.req_to_token[idx]
+        apart = getattr(req, "cache_salt", None) is not None or getattr(req, "extra_key", None) is not None
+        tree = self._prefix_tree(req, start, prompt_len, apart)
         try:
-            apart = getattr(req, "cache_salt", None) is not None or getattr(req, "extra_key", None) is not None
             # a retracted request prefills again over its prompt and what it had generated
             tokens = [*req.origin_input_ids, *req.output_ids][:prompt_len]
-            self.tier.open(req.rid, tokens, row[:start].to(torch.int64), not apart)
+            self.tier.open(req.rid, tokens, row[:start].to(torch.int64), not apart, from_start=tree is not None)
         except NOT_TAKEN as e:
             self._not_taken(req.rid, e)
+            self._close_idle_arena()
             return 0
+        if tree is not None:
+            req.skip_radix_cache_insert = True
+            self.ledger.take_prefix(req.rid, idx, start)
+            tree.unlock(req.lock)  # the tree's nodes become evictable: no running request reads them
+            req.lock = None
+            req.kv.cache_protected_len = 0  # the whole row is the request's (offloaded from 0)
+            self.prefixes_streamed += 1
         return self.offload(req, prompt_len)
+
+    def _prefix_tree(self, req: Req, start: int, prompt_len: int, apart: bool) -> BasePrefixCache | None:
+        """The radix tree to unpin ``req``'s matched prefix from, when it is to be fetched per
+        verification instead: the tier can, one reload can carry the whole prompt, and the arena
+        is there; else None (the prefix stays pinned on the device, still exact)."""
+        if start <= 0 or apart or not self.tier.streams_prefix or prompt_len > self.arena_slots:
+            return None
+        tree = tree_for(self.allocator)
+        if tree is None or getattr(req, "lock", None) is None or not self._ensure_arena():
+            return None
+        return tree
 
     def offload(self, req: Req, through: int, tokens: list[int] | None = None) -> int:
         """Move ``req``'s own positions up to ``through`` off the device (at most what one reload
@@ -156,6 +183,7 @@ class FullKVOffload:
             moved = self.ledger.offload_through(req.rid, int(req.kv.req_pool_idx), start, end)
         except NOT_TAKEN as e:
             self._not_taken(req.rid, e)
+            self._close_idle_arena()
             return 0
         self.offloaded_bytes += moved * self.tier.bytes_per_token
         return moved
@@ -286,6 +314,7 @@ class FullKVOffload:
             getattr(self.tier, "prefix_hits", 0),
             getattr(self.tier, "prefix_tokens_loaded", 0),
             getattr(self.tier, "prefix_errors", 0),
+            self.prefixes_streamed,
         )
         counters = (
             metrics.full_kv_written,
@@ -294,6 +323,7 @@ class FullKVOffload:
             metrics.store_prefix_hits,
             metrics.store_prefix_tokens,
             metrics.store_prefix_fallbacks,
+            metrics.prefixes_streamed,
         )
         for counter, value, seen in zip(counters, now, self._counted, strict=True):
             counter.inc(value - seen)
@@ -323,6 +353,9 @@ class FullKVOffload:
         if self.reloads is not None:
             self.reloads.cancel(rid)
         self._on_release(rid)
+        self._close_idle_arena()
+
+    def _close_idle_arena(self) -> None:
         if self.arena is not None and len(self.ledger) == 0 and not self.reloads.inflight:
             self.arena.close()  # idle: SGLang's leak check counts every slot back in its allocator
             self.arena, self.reloads = None, None

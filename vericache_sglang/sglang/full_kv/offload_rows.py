@@ -4,14 +4,16 @@ instead of device slots, and the reload arena verifications borrow device slots 
 SGLang keeps one ``req_to_token`` row per request, and its scheduler and radix tree free slots by
 reading that row. An offloaded request is barred from the radix tree (``skip_radix_cache_insert``),
 so every position from its ``cache_protected_len`` (the end of the prefix it matched, which the
-tree owns) is its own. ``RequestOffload.offload_through`` moves positions ``[start, end)`` to the
-tier, frees their device slots and writes the pool's padding slot in their place: a stray read
-there returns padding, never another request's KV, and SGLang's allocators never hand the padding
-slot out. For a verification the caller reloads those positions into slots from a ``SlotArena``
-and ``lend``s them to the row, so the stock verify pass reads the row as usual; ``unlend`` puts
-the padding back. When SGLang frees a finishing or retracted request's row, it goes through the
-tree cache's ``free_kv_row``; the vericache radix cache narrows the ranges with
-``resident_ranges``, so what was offloaded is never freed twice.
+tree owns) is its own; with the store tier the matched prefix is taken too (``take_prefix``: the
+store holds it, the request is unpinned from the tree) and its positions start at 0.
+``RequestOffload.offload_through`` moves positions ``[start, end)`` to the tier, frees their
+device slots and writes the pool's padding slot in their place: a stray read there returns
+padding, never another request's KV, and SGLang's allocators never hand the padding slot out.
+For a verification the caller reloads those positions into slots from a ``SlotArena`` and
+``lend``s them to the row, so the stock verify pass reads the row as usual; ``unlend`` puts the
+padding back. When SGLang frees a finishing or retracted request's row, it goes through the tree
+cache's ``free_kv_row``; the vericache radix cache narrows the ranges with ``resident_ranges``,
+so what was offloaded is never freed twice.
 
 The ledger is found from the tree cache by the allocator both share (``offload_for``): SGLang
 builds the worker's pools before the tree cache and hands neither a reference to the other.
@@ -117,6 +119,17 @@ class RequestOffload:
             self._by_rid[rid] = self._by_row[row] = rec
         moved, rec.end = end - rec.end, end
         return moved
+
+    def take_prefix(self, rid: str, row: int, end: int) -> None:
+        """``rid``'s first ``end`` positions, the prefix it matched in the radix tree, are in the tier
+        already: they count as offloaded from now on (fetched for each verification) and the row
+        stops pointing at the tree's slots, which are not freed (the tree keeps them as a cache)."""
+        if rid in self._by_rid or row in self._by_row:
+            raise ValueError(f"request {rid} (row {row}) already has offloaded positions")
+        if end <= 0:
+            raise ValueError(f"request {rid}: no prefix to take ({end} positions)")
+        self.req_to_token[row, :end] = PAD_SLOT
+        self._by_rid[rid] = self._by_row[row] = _Record(rid, row, 0, end)
 
     def held(self, rid: str) -> tuple[int, int] | None:
         """``(start, end)`` of ``rid``'s positions in the tier, or None."""

@@ -6,7 +6,9 @@ The tier the worker's offload (``offload.FullKVOffload``) drives, beside the hos
 
 - ``open`` a request after its prefill: its prompt's tokens name its store records (content-keyed
   chunks, ``vericache_sglang.full_kv.store``); the prefix the radix tree already holds on the
-  device is written too, so every whole prompt chunk is in the store for any server to find.
+  device is written too, so every whole prompt chunk is in the store for any server to find. With
+  ``from_start`` that prefix is the request's to fetch like its own positions (``streams_prefix``):
+  the caller unpins it from the tree, whose device copy becomes an evictable cache of the store.
 - ``offload`` the request's own positions (the prompt after prefill, committed tokens after each
   verification): read from the device pool, written to the store; only then are their device
   slots freed by the caller. A write that fails raises, and the caller keeps those slots.
@@ -53,6 +55,8 @@ MAX_BAD_PREFIXES = 4096  # prefixes remembered as failing to load (a store can b
 
 
 class StoreFullKV:
+    streams_prefix = True  # a request's matched prefix can be fetched per verification (``open``)
+
     def __init__(self, device_pool: MHATokenToKVPool, store: FullKVStore):
         self.device_pool = device_pool
         self.store = store
@@ -104,10 +108,19 @@ class StoreFullKV:
 
     # -- device to store -------------------------------------------------------------------------
 
-    def open(self, rid: str, tokens: Sequence[int], prefix_slots: torch.Tensor, shared: bool = True) -> None:
+    def open(
+        self,
+        rid: str,
+        tokens: Sequence[int],
+        prefix_slots: torch.Tensor,
+        shared: bool = True,
+        from_start: bool = False,
+    ) -> None:
         """A prefilled request of prompt ``tokens``; ``prefix_slots``: the device slots of the prefix
-        it matched in the radix tree (stays there; written to the store for other servers).
-        ``shared=False`` (a request SGLang keeps apart: cache salt, adapter): its records are its own."""
+        it matched in the radix tree (written to the store for other servers where it is not there).
+        ``from_start``: that prefix is offloaded too, fetched with the request's own positions for
+        each verification; else it stays the tree's, on the device. ``shared=False`` (a request
+        SGLang keeps apart: cache salt, adapter): its records are its own."""
         self.release(rid)  # a retracted request prefilling again starts over
         handle = self.store.open_request(tokens, request_id=rid, shared=shared)
         n = int(prefix_slots.numel())
@@ -119,7 +132,7 @@ class StoreFullKV:
             handle.release()
             raise
         self._handles[rid] = handle
-        self._spans[rid] = (n, n)
+        self._spans[rid] = (0 if from_start else n, n)
 
     def _adopt(self, handle: RequestKV, n: int) -> int:
         """Take the whole shared chunks of the first ``n`` positions that the store already holds
