@@ -43,6 +43,7 @@ REQ = {
     "grammar",
     "kv.cache_protected_len",
     "kv.req_pool_idx",
+    "lock",  # the tree lock a store-mode request gives back once its prefix is offloaded
     "origin_input_ids",
     "prefix_len",
     "return_logprob",
