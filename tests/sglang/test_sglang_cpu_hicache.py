@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.pool_host.mha", reason="sglang is not installed")
 
+from hicache_pools import device_and_host_pools
 from sglang.srt.mem_cache import memory_pool
 from sglang.srt.mem_cache.pool_host import mha as host_mha
 
@@ -25,28 +26,7 @@ LAYERS, HEADS, DIM = 3, 2, 8
 
 def _pools(layout: str, page: int) -> tuple[memory_pool.MHATokenToKVPool, host_mha.MHATokenToKVPoolHost]:
     hicache._patch_mha(host_mha)  # what the CPU engine's import hook does; binds only absent names
-    device = memory_pool.MHATokenToKVPool(
-        size=64,
-        page_size=page,
-        dtype=torch.float32,
-        head_num=HEADS,
-        head_dim=DIM,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    host = host_mha.MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        page,
-        layout,
-        pin_memory=False,
-        device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
-        write_back_staging=device.hicache_write_back_staging,
-    )
+    device, host = device_and_host_pools(layout, page, LAYERS, HEADS, DIM, size=64)
     g = torch.Generator().manual_seed(0)
     for layer in range(LAYERS):
         for buf in (device.k_buffer[layer], device.v_buffer[layer]):

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory", reason="sglang is not installed")
 
+from hicache_pools import device_and_host_pools
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -24,28 +24,7 @@ LAYERS, HEADS, DIM = 3, 3, 64
 
 
 def _host_pool(layout: str = "page_first", dtype=torch.float32) -> MHATokenToKVPoolHost:
-    device = MHATokenToKVPool(
-        size=256,
-        page_size=PAGE,
-        dtype=dtype,
-        head_num=HEADS,
-        head_dim=DIM,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    return MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        PAGE,
-        layout,
-        pin_memory=False,
-        device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
-        write_back_staging=device.hicache_write_back_staging,
-    )
+    return device_and_host_pools(layout, PAGE, LAYERS, HEADS, DIM, size=256, dtype=dtype)[1]
 
 
 def _backend(url: str, host, namespace: str) -> VeriCacheHiCacheStorage:

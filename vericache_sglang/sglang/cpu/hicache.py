@@ -68,8 +68,7 @@ def transfer_kv_per_layer_direct_pf_lf(
     """One layer host -> device: ``src_ptrs`` are the host pool's K and V buffers in the
     ``page_first_direct`` layout, ``dst_ptrs`` that layer's device K and V."""
     _check(src_indices, dst_indices, page_size)
-    host = src_indices.cpu().long()
-    pages, offsets = host // page_size, host % page_size
+    pages, offsets = _pages_and_offsets(src_indices, page_size)
     for src, dst in zip(src_ptrs, dst_ptrs, strict=True):
         dst[dst_indices.to(dst.device)] = src[pages, layer_id, offsets].to(dst.device)
 
@@ -87,12 +86,17 @@ def transfer_kv_all_layer_direct_lf_pf(
     layers = len(src_ptrs) // len(dst_ptrs)
     if layers * len(dst_ptrs) != len(src_ptrs):
         raise ValueError(f"{len(src_ptrs)} device buffers do not split into {len(dst_ptrs)} kinds")
-    host = dst_indices.cpu().long()
-    pages, offsets = host // page_size, host % page_size
+    pages, offsets = _pages_and_offsets(dst_indices, page_size)
     for kind, dst in enumerate(dst_ptrs):
         for layer in range(layers):
             src = src_ptrs[kind * layers + layer]
             dst[pages, layer, offsets] = src[src_indices.to(src.device)].to(dst.device)
+
+
+def _pages_and_offsets(host_indices: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``page_first_direct`` host pool's token indices as (page, offset in page)."""
+    host = host_indices.cpu().long()
+    return host // page_size, host % page_size
 
 
 def _check(src_indices: torch.Tensor, dst_indices: torch.Tensor, page_size: int) -> None:
