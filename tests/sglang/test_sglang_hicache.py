@@ -5,7 +5,10 @@ backend (SGLang's ``dynamic`` route):
 - ``--enable-vericache`` with ``--enable-hierarchical-cache``: SGLang's HiCache tree carries the
   compressed copies (``draft/hicache_tree.py``); server B answers over a document only server A
   has seen, its full KV prefetched from the store by HiCache, its compressed copy made on B, and
-  both answers are stock SGLang's;
+  both answers are stock SGLang's. A keeps running requests' full KV on the device
+  (``full_kv: "device"``); B keeps it only in the store (``full_kv: "store"``, the default):
+  HiCache loads the document, VeriCache's store tier takes the request's whole context off the
+  device (the matched document too) and fetches it for every verification;
 - (heavy set) the same two-server run through stock SGLang with HiCache, the peer of
   ``vericache bench sglang-prefix``.
 
@@ -19,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import SGLANG_TEST_FLAGS
-from sglang_e2e import compare_answers, prompt, token_count
+from sglang_e2e import bytes_are_the_requests_full_kv, compare_answers, prompt, token_count
 
 from vericache_sglang.bench.sglang_server import Ask, SGLangServer, accepted_length, ask
 
@@ -78,7 +81,9 @@ def test_prefix_copies_drop_the_least_recently_used_beyond_their_cap():
     assert copies.longest(_req(docs[0]), 300, 256) is not None
 
 
-def _two_servers(sglang_logs, store_url, name, vericache=None):
+def _two_servers(sglang_logs, store_url, name, vericache=None, vericache_b=None):
+    """Servers A and B with HiCache over one fresh namespace of the store; B runs ``vericache_b``
+    where given, else A's configuration."""
     extra = {
         "backend_name": "vericache",
         "module_path": "vericache_sglang.sglang.storage",
@@ -92,14 +97,16 @@ def _two_servers(sglang_logs, store_url, name, vericache=None):
         args.append("--disable-overlap-schedule")  # as the stock reference (and VeriCache) schedule
     # beside the suite's other servers on a small machine: SGLang's 10 GiB host reserve made 2
     env = {"VERICACHE_CPU_HICACHE_RESERVE_GIB": "2"}
+    configs = {"a": vericache, "b": vericache_b or vericache}
     return [
-        SGLangServer(sglang_logs, f"{name}-{side}", *args, vericache=vericache, env=env, wait=False) for side in "ab"
+        SGLangServer(sglang_logs, f"{name}-{side}", *args, vericache=configs[side], env=env, wait=False)
+        for side in "ab"
     ]
 
 
 def _document_through_a_then_b(stock_server, servers, exactness, name):
     """A answers over a document, then B another question over it; both must be stock's. Returns
-    B's answer and B's server metrics."""
+    B's answer and B's server metrics before (after its warm-up requests) and after it."""
     document = prompt("prose", 1200)
     questions = [
         Ask("Summarise the document in two sentences.", max_tokens=24, params={"logprobs": True}, system=document),
@@ -110,6 +117,7 @@ def _document_through_a_then_b(stock_server, servers, exactness, name):
             s.wait_healthy()
         a, b = servers
         first = ask(a, questions[0])
+        before = b.metrics()
         second = ask(b, questions[1])
         metrics = b.metrics()
     finally:
@@ -122,18 +130,23 @@ def _document_through_a_then_b(stock_server, servers, exactness, name):
         cmp = compare_answers(ask(stock_server, q), got)
         exactness(f"sglang {name} {side}", cmp, cached_tokens=got.cached_tokens)
         assert cmp["identical"], (side, got.text)
-    return second, metrics
+    return second, before, metrics
 
 
 @pytest.mark.service
 def test_vericache_with_hicache_reuses_a_document_another_server_cached(
     stock_server, sglang_logs, store_url, exactness
 ):
-    servers = _two_servers(sglang_logs, store_url, "vericache-hicache", vericache=VERICACHE)
-    _, metrics = _document_through_a_then_b(stock_server, servers, exactness, "vericache-hicache")
+    store_mode = {**VERICACHE, "full_kv": "store", "store": store_url, "reload_room": 0.2}
+    servers = _two_servers(sglang_logs, store_url, "vericache-hicache", vericache=VERICACHE, vericache_b=store_mode)
+    second, before, metrics = _document_through_a_then_b(stock_server, servers, exactness, "vericache-hicache")
     assert metrics["vericache_prefix_copies_made_total"] >= 1  # B compressed the document loaded by HiCache
     assert metrics["vericache_verify_passes_total"] >= 1
     assert accepted_length(metrics) > 1.5  # drafts over that copy were accepted
+    # B's request held its context only in the store between verifications: the document HiCache
+    # loaded left the device with it, and every verification fetched the whole context
+    bytes_are_the_requests_full_kv(before, metrics, second, horizon=store_mode["horizon"])
+    assert metrics["vericache_full_kv_recomputes_total"] == 0 and metrics["vericache_store_errors_total"] == 0
 
 
 @pytest.mark.service

@@ -74,8 +74,9 @@ def test_a_retracted_request_prefilling_again_over_its_outputs_goes_to_the_store
 
 
 def test_a_fetch_the_store_does_not_deliver_is_recomputed_before_the_verify_pass():
-    """The store fails mid-fetch, then returns a corrupt record: each time the request's positions
-    are recomputed into the lent slots (never read as fetched), the pass reads exact KV, counted."""
+    """The store fails mid-fetch, then returns a corrupt record, both known by the time the verify
+    pass is due: each time the request's positions are recomputed into the lent slots (never read as
+    fetched) before the pass, which reads exact KV once, counted."""
     from faults import HookedStore
 
     from remote_store import StoreError, open_store
@@ -93,6 +94,7 @@ def test_a_fetch_the_store_does_not_deliver_is_recomputed_before_the_verify_pass
     calls: list[tuple[int, int, int]] = []
     failing["on"] = True
     plan_and_draft(offload, [req])
+    offload.tier._jobs["a"].exception()  # the fetch has failed before the pass is due
     seen: list[bool] = []
     offload.verify([req], verify_reading(s, req, seen), width=5, recompute=recompute_from(s, req, calls))
     assert seen == [True] and calls == [(0, 0, 40)] and offload.recomputed == 1
@@ -102,6 +104,7 @@ def test_a_fetch_the_store_does_not_deliver_is_recomputed_before_the_verify_pass
     for key in offload.tier._handles["a"]._pinned:  # every record of the request, garbled
         backend.put_many([(key, b"not a chunk")])
     plan_and_draft(offload, [req])
+    offload.tier._jobs["a"].exception()
     seen = []
     offload.verify([req], verify_reading(s, req, seen), width=5, recompute=recompute_from(s, req, calls))
     assert seen == [True] and calls == [(0, 0, 40)] * 2 and offload.recomputed == 2
@@ -109,6 +112,61 @@ def test_a_fetch_the_store_does_not_deliver_is_recomputed_before_the_verify_pass
     plan_and_draft(offload, [req])
     with pytest.raises(RuntimeError, match="not delivered"):
         offload.verify([req], verify_reading(s, req, []), width=5)
+
+
+def _fetch_held_at_its_second_layer(fail: bool):
+    """A store whose fetch delivers layer 0, then holds layer 1 until the verify pass has started
+    (``started``), then delivers it or, with ``fail``, fails."""
+    import threading
+
+    from faults import HookedStore
+
+    from remote_store import StoreError, open_store
+
+    started, armed = threading.Event(), {"on": False}
+
+    def hook(count: int) -> None:
+        if armed["on"] and count == armed["from"] + 2:
+            assert started.wait(10), "the verify pass never started"
+            if fail:
+                raise StoreError("injected failure at layer 1")
+
+    return HookedStore(open_store("memory://"), hook), started, armed
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["delivered", "failed-mid-pass"])
+def test_the_verify_pass_starts_on_the_first_fetched_layer(fail):
+    """The verify pass reads the request's reload per layer as it arrives (the pool's waiting
+    accessors wait on the tier's ``LayerLoads``): it starts while the fetch still holds layer 1 and
+    reads exact KV. Where the fetch then fails, the positions are recomputed and the pass runs
+    again over them: its first reading is discarded, never used."""
+    backend, started, armed = _fetch_held_at_its_second_layer(fail)
+    s = Setup()
+    offload, errors = store_offload(s, backend)
+    req = s.request("a", list(range(1, 41)))
+    assert offload.admit(req, 40) == 40
+    armed.update(on=True, **{"from": backend.gets})
+    layers_in: list[int] = []
+    seen: list[bool] = []
+
+    def verify(rows: torch.Tensor) -> torch.Tensor:
+        if not started.is_set():
+            layers_in.append(offload.tier._fetches["a"].layers_done)
+            started.set()
+        seen.append(s.same(req))  # through get_key_buffer: waits per layer
+        return torch.zeros(len(rows) * 5, 3)
+
+    calls: list[tuple[int, int, int]] = []
+    plan_and_draft(offload, [req])
+    offload.verify([req], verify, width=5, recompute=recompute_from(s, req, calls))
+    assert layers_in and layers_in[0] < LAYERS  # the pass started before the whole fetch was in
+    if fail:
+        assert seen == [False, True] and calls == [(0, 0, 40)]
+        assert offload.passes_rerun == 1 and offload.recomputed == 1 and len(errors) == 1
+    else:
+        assert seen == [True] and calls == [] and offload.passes_rerun == 0 and not errors
+        # the pass waited at layer 1 for what drafting had not hidden, within the fetch's own time
+        assert 0 < offload.tier.verify_wait_s <= offload.tier.fetch_s
 
 
 def test_a_store_that_refuses_the_writes_leaves_the_request_on_the_device():
@@ -220,7 +278,7 @@ def test_a_prompt_prefix_in_the_store_is_loaded_into_the_tree_for_the_next_reque
 
     s = Setup()
     offload, _ = store_offload(s, reload_room=0.5)
-    loads = offload.tier.prefix_loads
+    loads = offload.tier.layer_loads
     document = list(range(500, 628))  # eight chunks of 16
     first = s.request("first", [*document, 1, 2, 3])
     assert offload.admit(first, 131) == 131
@@ -292,14 +350,14 @@ def test_a_failed_prefix_load_a_prefill_read_is_recomputed_into_its_slots_and_th
 
 
 def test_the_prefill_pass_reads_a_layer_only_once_every_load_has_delivered_it():
-    """``PrefixLoads`` as SGLang's pool calls it: outside the prefill pass nothing waits; inside, a
+    """``LayerLoads`` as SGLang's pool calls it: outside the prefill pass nothing waits; inside, a
     layer waits for every load in flight to deliver it, and a load that fails releases its waiters."""
     import threading
     import time
 
-    from vericache_sglang.sglang.full_kv.prefix_loads import PrefixLoad, PrefixLoads
+    from vericache_sglang.sglang.full_kv.layer_loads import LayerLoads, PrefixLoad
 
-    loads = PrefixLoads(num_layers=3)
+    loads = LayerLoads(num_layers=3)
     load = PrefixLoad(list(range(8)), 0, torch.arange(8))
     loads.add(load)
     loads.wait_until(2)  # not reading: returns at once

@@ -3,7 +3,7 @@ config ``benchmarks/configs/sglang_prefix.json``, fixed before measuring).
 
 Two servers of one system, A and B, side by side; for each document (a real prompt's document cut
 to about ``document_tokens`` tokens, the system message), one question to A, then another to B,
-each streamed. B never saw the document. Four systems, one after the other on the same machine,
+each streamed. B never saw the document. Five systems, one after the other on the same machine,
 those with a store once per ``link_ratios`` entry (the store behind a link that many times slower
 than this machine's measured memory bandwidth, ``?link_ratio=R``):
 
@@ -19,11 +19,15 @@ than this machine's measured memory bandwidth, ``?link_ratio=R``):
   does not launch gets a row saying why;
 - ``vericache-hicache``: ``--enable-vericache`` (``full_kv: "device"``) on HiCache, the two over
   the same store: HiCache moves the document's full KV (B prefetches it), VeriCache drafts over a
-  compressed copy B makes of it (``draft/hicache_tree.py``).
+  compressed copy B makes of it (``draft/hicache_tree.py``);
+- ``vericache-store-hicache``: the same with ``full_kv: "store"``: HiCache moves the document, the
+  store tier each running request's whole context (the document included), fetched for every
+  verification.
 
 Per question: time to first token, tokens/s after it, the prompt tokens SGLang reports cached,
 peak device KV (``sglang:num_used_tokens``, polled), what VeriCache's B loaded and fetched from
-the store (its ``/metrics``), and whether the answer is stock's, text for text. Writes
+the store and the share of its fetch time its verify passes did not wait for (hidden behind
+drafting; its ``/metrics``), and whether the answer is stock's, text for text. Writes
 ``sglang_prefix.json`` and ``.md``.
 """
 
@@ -84,11 +88,22 @@ def _launch_args(cfg: dict, system: str, store_url: str) -> tuple[list[str], dic
     args = list(cfg["server_args"])
     if system == "vericache":
         return args, {**cfg["vericache"], "full_kv": "store", "store": store_url}
-    if system in ("hicache", "vericache-hicache"):
+    if system in HICACHE_SYSTEMS:
         extra = {**cfg["hicache"]["extra_config"], "store_url": store_url}
         args += [*cfg["hicache"]["args"], "--hicache-storage-backend-extra-config", json.dumps(extra)]
-        return args, ({**cfg["vericache"], "full_kv": "device"} if system == "vericache-hicache" else None)
+        mode = HICACHE_SYSTEMS[system]
+        if mode is None:
+            return args, None
+        return args, {**cfg["vericache"], **mode, **({"store": store_url} if mode["full_kv"] == "store" else {})}
     return args, None
+
+
+# the systems on HiCache: VeriCache's full_kv on it (None: stock SGLang with HiCache)
+HICACHE_SYSTEMS = {
+    "hicache": None,
+    "vericache-hicache": {"full_kv": "device"},
+    "vericache-store-hicache": {"full_kv": "store"},
+}
 
 
 # what B's /metrics count while it answers (VeriCache's series; absent elsewhere)
@@ -96,6 +111,8 @@ B_METRICS = {
     "store_prefix_tokens_b": "vericache_store_prefix_tokens_total",
     "full_kv_fetched_bytes_b": "vericache_full_kv_fetched_bytes_total",
     "full_kv_recomputes_b": "vericache_full_kv_recomputes_total",
+    "_fetch_s": "vericache_full_kv_fetch_seconds_total",
+    "_link_wait_s": "vericache_link_wait_seconds_total",
 }
 
 
@@ -131,6 +148,9 @@ def _run_system(cfg: dict, system: str, ratio: float | None, documents: dict[str
                     row["peak_kv_tokens"] = peak[0]
                     if side == "b" and system.startswith("vericache"):
                         row.update({k: metric_growth(grown, before, m) for k, m in B_METRICS.items()})
+                        fetch_s, wait_s = row.pop("_fetch_s"), row.pop("_link_wait_s")
+                        # the share of the fetch time the verify passes did not wait for: hidden by drafting
+                        row["fetch_hidden_b"] = 1 - wait_s / fetch_s if fetch_s else None
                     rows.append(row)
                     log(
                         f"{label} {side} {doc}: ttft {row['ttft_s']:.2f} s, cached {row['cached_tokens']} of "
@@ -246,6 +266,7 @@ def run(config_path: Path | None = None, quick: bool = False, out_dir: Path | No
             "peak_kv_tokens",
             "store_prefix_tokens_b",
             "full_kv_fetched_bytes_b",
+            "fetch_hidden_b",
             "identical_to_stock",
             "error",
         ]

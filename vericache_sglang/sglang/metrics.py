@@ -55,8 +55,21 @@ class WorkerMetrics:
         self.full_kv_fetched = Counter(
             "vericache_full_kv_fetched_bytes", "Full-KV bytes fetched from the store or the host tier", names
         ).labels(**labels)
+        self.fetch_seconds = Counter(
+            "vericache_full_kv_fetch_seconds",
+            "Time spent fetching verifications' full KV from the store (on the fetch thread)",
+            names,
+        ).labels(**labels)
         self.link_wait = Counter(
-            "vericache_link_wait_seconds", "Time verifications waited for full-KV layers", names
+            "vericache_link_wait_seconds",
+            "Time verify passes waited for full-KV layers still arriving from the store (the fetch time "
+            "drafting did not hide)",
+            names,
+        ).labels(**labels)
+        self.verify_passes_rerun = Counter(
+            "vericache_verify_passes_rerun",
+            "Verify passes run again: a fetch they read per layer failed mid-pass, its positions recomputed",
+            names,
         ).labels(**labels)
         self.full_kv_recomputes = Counter(
             "vericache_full_kv_recomputes",

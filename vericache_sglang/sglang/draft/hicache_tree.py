@@ -12,8 +12,14 @@ device, and another server's may arrive from the store. A copy is a pure functio
 content is valid wherever the tree's full KV of that prefix comes from. Copies are kept
 least-recently-used, at most ``MAX_COPIES``.
 
-The full KV stays with HiCache: this tree serves ``full_kv: "device"`` only (``hooks.py`` refuses
-the others, which would move the full KV a second way).
+The cached prefixes' full KV is HiCache's to move. A running request's own full KV is not: HiCache
+never moves it, so with ``full_kv: "store"`` the worker's store tier does (``full_kv/store_tier.py``,
+its prefix loads off: this tree's L3 prefetch loads prefixes), and the request's rows are freed
+around its offloaded positions (``OffloadedRows``). The matched prefix leaves the device with the
+request too (the store tier writes or adopts its records): the request unlocks its tree node, and
+HiCache may evict that node to its host pool or drop it. ``full_kv: "host"`` stays refused
+(``hooks.py``): the host tier's per-layer waits need the device pool's layer counter, which
+HiCache's controller owns.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from vericache_sglang.sglang.draft.radix_cache import CompressedPrefix, register_tree
+from vericache_sglang.sglang.draft.radix_cache import CompressedPrefix, OffloadedRows, register_tree
 from vericache_sglang.sglang.step.draft_state import OBS_WINDOW
 
 if TYPE_CHECKING:
@@ -86,7 +92,7 @@ class PrefixCopies:
             self.evicted += 1
 
 
-class VeriCacheHiRadixCache(UnifiedRadixCache):
+class VeriCacheHiRadixCache(OffloadedRows, UnifiedRadixCache):
     def reset(self) -> None:
         super().reset()
         self.copies = PrefixCopies()
@@ -97,11 +103,6 @@ class VeriCacheHiRadixCache(UnifiedRadixCache):
     def swa_reprefill_tail_tokens(self, req: Req | None = None) -> int:
         """The worker's observation window is computed again even when cached (``radix_cache``)."""
         return max(OBS_WINDOW, super().swa_reprefill_tail_tokens(req))
-
-    def on_release(self, req: Req, *, checkpointed: bool) -> None:
-        super().on_release(req, checkpointed=checkpointed)
-        for listener in self.release_listeners:
-            listener(req.rid)
 
     # -- compressed copies (the worker's interface, as VeriCacheRadixCache's) -------------------
 

@@ -39,8 +39,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from vericache_sglang.core.kv import CompressedKV
+from vericache_sglang.sglang.full_kv.layer_loads import LayerLoads, PrefixLoad
 from vericache_sglang.sglang.full_kv.offload_rows import offload_for
-from vericache_sglang.sglang.full_kv.prefix_loads import PrefixLoad, PrefixLoads
 from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
 from vericache_sglang.sglang.step.draft_state import OBS_WINDOW
 
@@ -77,7 +77,32 @@ class CompressedPrefix:
         return self.kv.nbytes
 
 
-class VeriCacheRadixCache(RadixCache):
+class OffloadedRows:
+    """Both vericache trees (this one and HiCache's, ``hicache_tree``): rows of requests whose full
+    KV the worker offloads (``full_kv`` "store" or "host", ``offload.py``) are freed through
+    ``free_kv_row``/``on_release``, which leave the offloaded positions alone (they hold the pool's
+    padding slot, not slots of their own) and drop the tier's copy with the request."""
+
+    token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator
+    release_listeners: list[Callable[[str], None]]
+
+    def free_kv_row(self, kv: ReqKvInfo, ranges: list[tuple[int, int]]) -> None:
+        ledger = offload_for(self.token_to_kv_pool_allocator)
+        if ledger is not None:
+            ranges = ledger.resident_ranges(kv.req_pool_idx, ranges)
+        if ranges:
+            super().free_kv_row(kv, ranges)
+
+    def on_release(self, req: Req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        ledger = offload_for(self.token_to_kv_pool_allocator)
+        if ledger is not None:
+            ledger.release(req.rid)
+        for listener in self.release_listeners:
+            listener(req.rid)
+
+
+class VeriCacheRadixCache(OffloadedRows, RadixCache):
     def reset(self) -> None:
         super().reset()
         self._copies: dict[int, tuple[TreeNode, CompressedPrefix]] = {}  # by node id
@@ -111,7 +136,7 @@ class VeriCacheRadixCache(RadixCache):
         slots = alloc.alloc(n - have)
         if slots is None:
             return result
-        # promised now, loaded behind: the prefill pass waits per layer (full_kv/prefix_loads.py)
+        # promised now, loaded behind: the prefill pass waits per layer (full_kv/layer_loads.py)
         source.start_prefix_load(tokens[:n], have, slots)
         value = torch.cat([self.path_device_indices(result.last_device_node).to(slots.device), slots.to(torch.int64)])
         self.insert(InsertParams(key=RadixKey(key.token_ids[:n]), value=value))  # the tree's own id type
@@ -119,7 +144,7 @@ class VeriCacheRadixCache(RadixCache):
 
     def evict(self, params: EvictParams) -> EvictResult:
         """SGLang's eviction, once no load is still writing into slots it could free."""
-        loads = self._prefix_loads()
+        loads = self._layer_loads()
         if loads is not None and loads.pending():
             loads.settle()
         return super().evict(params)
@@ -149,9 +174,9 @@ class VeriCacheRadixCache(RadixCache):
             self.kv_events.record_remove(n)
         return True
 
-    def _prefix_loads(self) -> PrefixLoads | None:
+    def _layer_loads(self) -> LayerLoads | None:
         source = getattr(offload_for(self.token_to_kv_pool_allocator), "tier", None)
-        return source.prefix_loads if isinstance(source, StoreFullKV) else None
+        return source.layer_loads if isinstance(source, StoreFullKV) else None
 
     def swa_reprefill_tail_tokens(self, req: Req | None = None) -> int:
         """Tokens at the end of a prompt that are computed again even when cached: the worker's
@@ -231,25 +256,6 @@ class VeriCacheRadixCache(RadixCache):
 
     def copy_count(self) -> int:
         return len(self._copies)
-
-    # -- rows of offloaded requests (offload.py) -----------------------------------------------
-
-    def free_kv_row(self, kv: ReqKvInfo, ranges: list[tuple[int, int]]) -> None:
-        """SGLang frees a request's row: positions whose KV was offloaded to the host tier hold no
-        slots of the row's own, so they are left out."""
-        ledger = offload_for(self.token_to_kv_pool_allocator)
-        if ledger is not None:
-            ranges = ledger.resident_ranges(kv.req_pool_idx, ranges)
-        if ranges:
-            super().free_kv_row(kv, ranges)
-
-    def on_release(self, req: Req, *, checkpointed: bool) -> None:
-        super().on_release(req, checkpointed=checkpointed)
-        ledger = offload_for(self.token_to_kv_pool_allocator)
-        if ledger is not None:
-            ledger.release(req.rid)
-        for listener in self.release_listeners:
-            listener(req.rid)
 
     # -- keeping copies and tree together ------------------------------------------------------
 

@@ -260,6 +260,10 @@ class HostFullKV:
         """A host-to-device copy does not fail once issued."""
         return None
 
+    def ended(self, rid: str) -> bool:
+        """Whether ``rid``'s reload is known not to fail (always: see ``failed``)."""
+        return True
+
     def done(self) -> None:
         """The verify pass has been issued: later passes (prefill, drafts) do not wait."""
         self.counter.set_consumer(-1)

@@ -18,7 +18,8 @@ What can fail, and what happens (never an unverified token):
   on the device (no saving for them, still exact), counted;
 - a reload does not deliver (store down, a record evicted, missing or corrupt): the worker
   recomputes those positions from the request's committed tokens into the reload's slots, a
-  forward pass over them before the group's verify pass, counted.
+  forward pass over them, counted; before the group's verify pass where the failure is known by
+  then, else after it (the pass read the reload per layer as it arrived), and the pass runs again.
 
 Pieces: the tier, ``RequestOffload`` (which row positions are off the device; the vericache radix
 cache consults it when SGLang frees a row), ``SlotArena`` (the reload room, taken from the
@@ -117,8 +118,9 @@ class FullKVOffload:
         self.offloaded_bytes = 0  # totals, for the worker's metrics
         self.reloaded_bytes = 0
         self.recomputed = 0  # reloads the tier did not deliver, recomputed instead
+        self.passes_rerun = 0  # verify passes run again: a reload they read per layer failed mid-pass
         self.prefixes_streamed = 0  # matched prefixes unpinned from the tree, fetched per verification
-        self._counted = (0, 0, 0, 0, 0, 0, 0)  # what count_into has already added to the metrics
+        self._counted = (0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)  # what count_into has already added to the metrics
         self._verify_from = 0
         self._unplanned: list[str] = []
         self._planned: set[str] = set()
@@ -253,9 +255,10 @@ class FullKVOffload:
         pending = {rid for rid in index if rid in self._planned}
         out: torch.Tensor | None = None
 
-        def run(rows: list[int]) -> None:
+        def run(rows: list[int], logits: torch.Tensor | None = None) -> None:
             nonlocal out
-            logits = verify(torch.tensor(rows, dtype=torch.int64))
+            if logits is None:
+                logits = verify(torch.tensor(rows, dtype=torch.int64))
             if lent is not None:
                 lent(rows, logits)
             if out is None:
@@ -275,11 +278,20 @@ class FullKVOffload:
             if group:
                 for r in group:
                     self.ledger.lend(r.rid, r.slots)
-                self.reloads.before_verify(group)
                 try:
+                    rows = [index[r.rid] for r in group]
+                    # a reload known to have failed is recomputed first; the pass reads the others per
+                    # layer as they arrive, and runs again if one of them turns out not delivered
+                    arriving = [r for r in group if not self.tier.ended(r.rid)]
                     for r in group:
-                        self._delivered(r.rid, index[r.rid], r.slots, recompute)
-                    run([index[r.rid] for r in group])
+                        if r not in arriving:
+                            self._delivered(r.rid, index[r.rid], r.slots, recompute)
+                    self.reloads.before_verify(group)
+                    logits = verify(torch.tensor(rows, dtype=torch.int64))
+                    if not all([self._delivered(r.rid, index[r.rid], r.slots, recompute) for r in arriving]):
+                        logits = verify(torch.tensor(rows, dtype=torch.int64))
+                        self.passes_rerun += 1
+                    run(rows, logits)
                 finally:
                     for r in group:
                         self.ledger.unlend(r.rid)
@@ -292,18 +304,20 @@ class FullKVOffload:
         assert out is not None
         return out
 
-    def _delivered(self, rid: str, i: int, slots: torch.Tensor, recompute: Recompute | None) -> None:
-        """``rid``'s reload is in ``slots``, or, where the tier did not deliver it, recomputed there."""
+    def _delivered(self, rid: str, i: int, slots: torch.Tensor, recompute: Recompute | None) -> bool:
+        """Whether ``rid``'s reload is in ``slots`` (waiting for it); where the tier did not
+        deliver it, it is recomputed there (False)."""
         error = self.tier.failed(rid)
         if error is None:
             self.reloaded_bytes += int(slots.numel()) * self.tier.bytes_per_token
-            return
+            return True
         if recompute is None:
             raise RuntimeError(f"request {rid}: its full KV was not delivered ({error}) and nothing recomputes it")
         if self._on_error is not None:
             self._on_error(error)
         recompute(i, self.ledger.held(rid)[0], slots)
         self.recomputed += 1
+        return False
 
     def count_into(self, metrics: WorkerMetrics) -> None:
         """Add what moved since the last call to the worker's metrics."""
@@ -315,6 +329,9 @@ class FullKVOffload:
             getattr(self.tier, "prefix_tokens_loaded", 0),
             getattr(self.tier, "prefix_errors", 0),
             self.prefixes_streamed,
+            getattr(self.tier, "fetch_s", 0.0),
+            getattr(self.tier, "verify_wait_s", 0.0),
+            self.passes_rerun,
         )
         counters = (
             metrics.full_kv_written,
@@ -324,6 +341,9 @@ class FullKVOffload:
             metrics.store_prefix_tokens,
             metrics.store_prefix_fallbacks,
             metrics.prefixes_streamed,
+            metrics.fetch_seconds,
+            metrics.link_wait,
+            metrics.verify_passes_rerun,
         )
         for counter, value, seen in zip(counters, now, self._counted, strict=True):
             counter.inc(value - seen)

@@ -15,17 +15,18 @@ The tier the worker's offload (``offload.FullKVOffload``) drives, beside the hos
 - ``reload`` starts fetching a request's positions, layer by layer, on a fetch thread, straight
   into the device slots of the reload arena: the store's reads overlap the draft passes that run on
   the scheduler's thread meanwhile (they read the private draft pool, never these slots).
-  ``consume`` waits for it before the verify pass; a fetch that failed (store down, record missing,
-  evicted or corrupt: every record is checked against its key, model layout and tokens) is
-  ``failed``, and the caller recomputes those positions from the committed tokens instead.
+  ``consume`` makes the verify pass wait per layer on what is still arriving (``layer_loads``), so
+  it starts on the first fetched layer; a fetch that failed (store down, record missing, evicted or
+  corrupt: every record is checked against its key, model layout and tokens) is ``failed``, and the
+  caller recomputes those positions from the committed tokens and runs the pass again.
 - ``start_prefix_load`` loads a prompt prefix the store holds (``stored_prefix``) into the device
   slots the radix tree promised it, on the same thread, each layer as it arrives, while the
-  prefill pass that reads it runs (``prefix_loads``: the pass waits per layer).
+  prefill pass that reads it runs (the pass waits per layer too).
 
-On CPU a verification's fetch lands in the pool whole before its pass, and a prefix load per layer
-under the prefill pass. On a GPU the per-layer overlap of a fetch with the verify pass (HiCache's
-``LayerDoneCounter``, as the host tier does) is not wired, and a prefix load's layer is marked done
-once the fetch thread's stream has completed its copy: unverified, no GPU with sglang here.
+With HiCache on, its controller owns the pool's layer counter and its tree loads prefixes: this
+tier then only moves running requests' full KV, and a fetch lands whole before its pass. On CPU
+every path here runs (tests, real servers). On a GPU a layer is marked done once the fetch
+thread's stream has completed its copy: unverified, no GPU with sglang here.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 from remote_store import StoreError
 from remote_store.codec import ChunkError
-from vericache_sglang.sglang.full_kv.prefix_loads import PrefixLoad, PrefixLoads
+from vericache_sglang.sglang.full_kv.layer_loads import Fetch, LayerLoads, PrefixLoad
 from vericache_sglang.sglang.pool_kv import read_full_kv, write_layer
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ MAX_BAD_PREFIXES = 4096  # prefixes remembered as failing to load (a store can b
 class StoreFullKV:
     streams_prefix = True  # a request's matched prefix can be fetched per verification (``open``)
 
-    def __init__(self, device_pool: MHATokenToKVPool, store: FullKVStore):
+    def __init__(self, device_pool: MHATokenToKVPool, store: FullKVStore, load_prefixes: bool = True):
         self.device_pool = device_pool
         self.store = store
         self.layout = store.layout
@@ -67,29 +68,40 @@ class StoreFullKV:
         # One fetch thread: fetches run one after another, as the staggered plan orders them on the link.
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-fetch")
         self._jobs: dict[str, Future] = {}  # rid -> its latest fetch
+        self._fetches: dict[str, Fetch] = {}  # rid -> its latest fetch's progress, per layer
+        self.fetch_s = 0.0  # time the fetch thread spent fetching verifications' full KV
+        self._whole_wait_s = 0.0  # time passes waited for whole fetches (no layer counter of ours)
         self._loads: dict[int, list[str]] = {}  # producer -> the requests it fetches
         self._next_producer = 0
         self.prefix_hits = 0  # prompts whose prefix was loaded from the store instead of computed
         self.prefix_tokens_loaded = 0
         self.prefix_errors = 0
-        # the prefill pass waits per layer on the prefixes still arriving (SGLang's pool calls it)
-        if getattr(device_pool, "layer_transfer_counter", None) is not None:
-            raise ValueError("the device pool already waits on another layer counter (HiCache is on)")
-        self.prefix_loads = PrefixLoads(device_pool.layer_num)
         self._bad_prefixes: set[int] = set()  # hashes of prefixes whose load failed
-        device_pool.register_layer_transfer_counter(self.prefix_loads)
+        # With HiCache on (``load_prefixes=False``) its tree loads cached prefixes through its own L3
+        # backend and its LayerDoneCounter owns the pool's per-layer waits; this tier then moves
+        # only running requests' full KV, each fetch landing whole before its verify pass.
+        self.layer_loads: LayerLoads | None = None
+        if load_prefixes:
+            # prefill and verify passes wait per layer on what is still arriving (SGLang's pool calls it)
+            if getattr(device_pool, "layer_transfer_counter", None) is not None:
+                raise ValueError("the device pool already waits on another layer counter (HiCache is on)")
+            self.layer_loads = LayerLoads(device_pool.layer_num)
+            device_pool.register_layer_transfer_counter(self.layer_loads)
 
     @classmethod
-    def connect(cls, url: str, device_pool: MHATokenToKVPool, layout: KVLayout, device: str) -> StoreFullKV:
+    def connect(
+        cls, url: str, device_pool: MHATokenToKVPool, layout: KVLayout, device: str, load_prefixes: bool = True
+    ) -> StoreFullKV:
         """The tier over the store at ``url`` (``vericache --store``'s URLs, credentials and TLS): a
         store that cannot be used as configured fails here, naming it and why; an emulated link
-        (``?link_ratio=R``) is set against ``device``'s memory bandwidth."""
+        (``?link_ratio=R``) is set against ``device``'s memory bandwidth. ``load_prefixes``: this
+        tier loads stored prompt prefixes into the radix tree (False under HiCache, whose tree does)."""
         from remote_store import connect_store
         from vericache_sglang.engine.hardware import memory_bandwidth
         from vericache_sglang.full_kv.store import FullKVStore
 
         backend = connect_store(url, memory_bandwidth=lambda: memory_bandwidth(device))
-        return cls(device_pool, FullKVStore(backend, layout, namespace="sglang"))
+        return cls(device_pool, FullKVStore(backend, layout, namespace="sglang"), load_prefixes)
 
     # -- what is held ----------------------------------------------------------------------------
 
@@ -187,27 +199,64 @@ class StoreFullKV:
                 raise ValueError(f"request {rid}: {slots.numel()} device slots for {end - start} offloaded tokens")
         for rid, slots in targets:
             start, end = self._spans[rid]
-            self._jobs[rid] = self._fetcher.submit(self._fetch, self._handles[rid], start, end, slots)
+            progress = self._fetches[rid] = Fetch()
+            self._jobs[rid] = self._fetcher.submit(self._fetch, self._handles[rid], start, end, slots, progress)
         producer = self._next_producer
         self._next_producer += 1
         self._loads[producer] = [rid for rid, _ in targets]
         return producer
 
-    def _fetch(self, handle: RequestKV, start: int, end: int, slots: torch.Tensor) -> tuple[int, float]:
+    def _fetch(
+        self, handle: RequestKV, start: int, end: int, slots: torch.Tensor, progress: Fetch
+    ) -> tuple[int, float]:
         t0 = time.perf_counter()
-        for layer, k, v in handle.fetch_layers(upto=end, start=start):
-            write_layer(self.device_pool, slots, layer, k, v)
-        return handle.stats.last_fetch_bytes, time.perf_counter() - t0
+        try:
+            for layer, k, v in handle.fetch_layers(upto=end, start=start):
+                write_layer(self.device_pool, slots, layer, k, v)
+                self._landed()
+                if self.layer_loads is not None:
+                    self.layer_loads.layer_done(progress, layer)
+        except BaseException as e:  # the pass waiting on it goes on, to be run again (``failed``)
+            if self.layer_loads is not None:
+                self.layer_loads.end(progress, e)
+            raise
+        if self.layer_loads is not None:
+            self.layer_loads.end(progress, None)
+        seconds = time.perf_counter() - t0
+        self.fetch_s += seconds
+        return handle.stats.last_fetch_bytes, seconds
+
+    def _landed(self) -> None:
+        """A layer written on the fetch thread is in the pool, not only issued (CUDA: unverified)."""
+        if torch.device(self.device_pool.device).type == "cuda":
+            torch.cuda.current_stream().synchronize()
 
     def consume(self, producer: int) -> None:
-        """Wait for every fetch of ``producer`` (a failed one is ``failed``, not raised)."""
-        self.wait_loaded(producer)
+        """The next pass (a verify pass) reads ``producer``'s fetches: per layer as they arrive,
+        or, without a layer counter of this tier's (HiCache on), once they have all ended. A failed
+        fetch is ``failed``, not raised."""
+        if self.layer_loads is None:
+            t0 = time.perf_counter()
+            self.wait_loaded(producer)
+            self._whole_wait_s += time.perf_counter() - t0
+            return
+        self.layer_loads.consume([self._fetches[rid] for rid in self._loads.get(producer, ()) if rid in self._fetches])
 
     def wait_loaded(self, producer: int) -> None:
         for rid in self._loads.get(producer, ()):
             job = self._jobs.get(rid)
             if job is not None:
                 job.exception()  # waits; the outcome stays on the future
+
+    @property
+    def verify_wait_s(self) -> float:
+        """Time verify passes waited for their fetches: the part of ``fetch_s`` drafting did not hide."""
+        return self._whole_wait_s + (self.layer_loads.verify_wait_s if self.layer_loads is not None else 0.0)
+
+    def ended(self, rid: str) -> bool:
+        """Whether ``rid``'s latest fetch has ended (delivered or failed)."""
+        job = self._jobs.get(rid)
+        return job is not None and job.done()
 
     def failed(self, rid: str) -> BaseException | None:
         """Why ``rid``'s latest fetch did not deliver its full KV (waiting for it), or None if it did."""
@@ -231,14 +280,16 @@ class StoreFullKV:
         return sum(b for b, _ in results), sum(s for _, s in results)
 
     def done(self) -> None:
-        return None  # nothing waits per layer after the pass
+        """The verify pass has run: later passes do not wait on its fetches."""
+        if self.layer_loads is not None:
+            self.layer_loads.consume(())
 
     # -- prefixes other requests (or servers) wrote ---------------------------------------------
 
     def stored_prefix(self, tokens: Sequence[int], have: int) -> int:
         """How many leading tokens of ``tokens`` the store holds in shared whole chunks, when that
         is more than the ``have`` the caller holds (else, or when the store fails, ``have``)."""
-        if len(tokens) - have < self.store.chunk_tokens:
+        if self.layer_loads is None or len(tokens) - have < self.store.chunk_tokens:
             return have
         try:
             n = self.store.longest_prefix(tokens, start=have)
@@ -252,11 +303,13 @@ class StoreFullKV:
 
     def start_prefix_load(self, tokens: Sequence[int], have: int, slots: torch.Tensor) -> PrefixLoad:
         """Start loading the stored KV of positions ``[have, len(tokens))`` into device ``slots``
-        on the fetch thread, each layer as it arrives (``prefix_loads``: the prefill pass waits per
+        on the fetch thread, each layer as it arrives (``layer_loads``: the prefill pass waits per
         layer); a failure (store down, record missing or bad: every record is checked) ends the
         load with its error, for the worker to recompute the positions."""
+        if self.layer_loads is None:
+            raise RuntimeError("this store tier does not load prefixes (HiCache's tree does)")
         load = PrefixLoad(list(tokens), have, slots)
-        self.prefix_loads.add(load)
+        self.layer_loads.add(load)
         load.future = self._fetcher.submit(self._load_prefix, load)
         return load
 
@@ -264,23 +317,22 @@ class StoreFullKV:
         try:
             for layer, k, v in self.store.stream_prefix(load.tokens, load.end, start=load.have):
                 write_layer(self.device_pool, load.slots, layer, k, v)
-                if torch.device(self.device_pool.device).type == "cuda":  # landed, not only issued
-                    torch.cuda.current_stream().synchronize()
-                self.prefix_loads.layer_done(load, layer)
+                self._landed()
+                self.layer_loads.layer_done(load, layer)
         except (StoreError, ChunkError) as e:
             logger.warning("VeriCache: a stored prefix could not be loaded, computing it instead (%s)", e)
             self.prefix_errors += 1
             if len(self._bad_prefixes) >= MAX_BAD_PREFIXES:
                 self._bad_prefixes.clear()
             self._bad_prefixes.add(hash(tuple(load.tokens)))
-            self.prefix_loads.end(load, e)
+            self.layer_loads.end(load, e)
             return
         except BaseException as e:  # a waiter must never wait forever
-            self.prefix_loads.end(load, e)
+            self.layer_loads.end(load, e)
             raise
         self.prefix_hits += 1
         self.prefix_tokens_loaded += load.end - load.have
-        self.prefix_loads.end(load, None)
+        self.layer_loads.end(load, None)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -288,6 +340,7 @@ class StoreFullKV:
         """``rid`` left: unpin its records, delete its private ones (shared prompt chunks stay
         cached for other requests and servers)."""
         self._spans.pop(rid, None)
+        self._fetches.pop(rid, None)
         job = self._jobs.pop(rid, None)
         if job is not None:
             job.exception()  # a fetch still writing into slots must end before they are reused

@@ -1,5 +1,5 @@
 """The worker's side of the prompt prefixes loaded from the store behind the prefill pass
-(``full_kv/prefix_loads.py``): the pass reads them per layer as they arrive, and every step ends
+(``full_kv/layer_loads.py``): the pass reads them per layer as they arrive, and every step ends
 with no load in flight. A load that failed was already promised to the tree; where a request of the
 prefill batch read it, its positions are recomputed from the prompt's tokens into its slots (the
 K/V of the same tokens over the same prefix: exact) and the pass runs again; where none did, its
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vericache_sglang.sglang.full_kv.prefix_loads import PrefixLoad, PrefixLoads
+from vericache_sglang.sglang.full_kv.layer_loads import LayerLoads, PrefixLoad
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -39,7 +39,7 @@ class PrefixRepair:
         rows: ReqToTokenPool,
     ):
         # only the store tier loads prefixes
-        self.loads: PrefixLoads | None = getattr(getattr(offload, "tier", None), "prefix_loads", None)
+        self.loads: LayerLoads | None = getattr(getattr(offload, "tier", None), "layer_loads", None)
         self.req_to_token = rows.req_to_token  # a request's matched prefix starts its row
         self.recompute = recompute
         self.tree = tree

@@ -153,7 +153,10 @@ class VeriCacheWorker(BaseSpecWorker):
             if self.cfg.full_kv == "store":  # a store that cannot be used as configured fails the launch
                 from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
 
-                tier = StoreFullKV.connect(self.cfg.store, target_pool, self.layout, str(self.device))
+                hicache = bool(getattr(self.server_args, "enable_hierarchical_cache", False))
+                tier = StoreFullKV.connect(
+                    self.cfg.store, target_pool, self.layout, str(self.device), load_prefixes=not hicache
+                )
             self.offload = FullKVOffload(
                 self.cfg,
                 runner,
