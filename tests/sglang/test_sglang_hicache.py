@@ -5,10 +5,11 @@ backend (SGLang's ``dynamic`` route):
 - ``--enable-vericache`` with ``--enable-hierarchical-cache``: SGLang's HiCache tree carries the
   compressed copies (``draft/hicache_tree.py``); server B answers over a document only server A
   has seen, its full KV prefetched from the store by HiCache, its compressed copy made on B, and
-  both answers are stock SGLang's. A keeps running requests' full KV on the device
-  (``full_kv: "device"``); B keeps it only in the store (``full_kv: "store"``, the default):
-  HiCache loads the document, VeriCache's store tier takes the request's whole context off the
-  device (the matched document too) and fetches it for every verification;
+  both answers are stock SGLang's. A keeps running requests' own full KV in SGLang's host pool
+  between verifications (``full_kv: "host"``); B keeps it only in the store (``full_kv: "store"``,
+  the default): HiCache loads the document, VeriCache's store tier takes the request's whole
+  context off the device (the matched document too) and fetches it for every verification;
+  (heavy set) both servers with ``full_kv: "device"``;
 - (heavy set) the same two-server run through stock SGLang with HiCache, the peer of
   ``vericache bench sglang-prefix``.
 
@@ -104,7 +105,7 @@ def _two_servers(sglang_logs, store_url, name, vericache=None, vericache_b=None)
     ]
 
 
-def _document_through_a_then_b(stock_server, servers, exactness, name):
+def _document_through_a_then_b(stock_server, servers, exactness, name, a_offloads=False):
     """A answers over a document, then B another question over it; both must be stock's. Returns
     B's answer and B's server metrics before (after its warm-up requests) and after it."""
     document = prompt("prose", 1200)
@@ -117,6 +118,9 @@ def _document_through_a_then_b(stock_server, servers, exactness, name):
             s.wait_healthy()
         a, b = servers
         first = ask(a, questions[0])
+        if a_offloads:  # A's request left the device between verifications and came back for each
+            m = a.metrics()
+            assert m["vericache_full_kv_written_bytes_total"] > 0 and m["vericache_full_kv_fetched_bytes_total"] > 0
         before = b.metrics()
         second = ask(b, questions[1])
         metrics = b.metrics()
@@ -137,9 +141,12 @@ def _document_through_a_then_b(stock_server, servers, exactness, name):
 def test_vericache_with_hicache_reuses_a_document_another_server_cached(
     stock_server, sglang_logs, store_url, exactness
 ):
+    host_mode = {**VERICACHE, "full_kv": "host", "reload_room": 0.2, "host_pool_ratio": 1.0}
     store_mode = {**VERICACHE, "full_kv": "store", "store": store_url, "reload_room": 0.2}
-    servers = _two_servers(sglang_logs, store_url, "vericache-hicache", vericache=VERICACHE, vericache_b=store_mode)
-    second, before, metrics = _document_through_a_then_b(stock_server, servers, exactness, "vericache-hicache")
+    servers = _two_servers(sglang_logs, store_url, "vericache-hicache", vericache=host_mode, vericache_b=store_mode)
+    second, before, metrics = _document_through_a_then_b(
+        stock_server, servers, exactness, "vericache-hicache", a_offloads=True
+    )
     assert metrics["vericache_prefix_copies_made_total"] >= 1  # B compressed the document loaded by HiCache
     assert metrics["vericache_verify_passes_total"] >= 1
     assert accepted_length(metrics) > 1.5  # drafts over that copy were accepted
@@ -147,6 +154,17 @@ def test_vericache_with_hicache_reuses_a_document_another_server_cached(
     # loaded left the device with it, and every verification fetched the whole context
     bytes_are_the_requests_full_kv(before, metrics, second, horizon=store_mode["horizon"])
     assert metrics["vericache_full_kv_recomputes_total"] == 0 and metrics["vericache_store_errors_total"] == 0
+
+
+@pytest.mark.service
+@pytest.mark.slow
+def test_vericache_on_the_device_with_hicache_reuses_a_document_another_server_cached(
+    stock_server, sglang_logs, store_url, exactness
+):
+    servers = _two_servers(sglang_logs, store_url, "vericache-hicache-device", vericache=VERICACHE)
+    _, _, metrics = _document_through_a_then_b(stock_server, servers, exactness, "vericache-hicache-device")
+    assert metrics["vericache_prefix_copies_made_total"] >= 1 and accepted_length(metrics) > 1.5
+    assert metrics["vericache_full_kv_written_bytes_total"] == 0
 
 
 @pytest.mark.service

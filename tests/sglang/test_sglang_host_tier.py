@@ -116,6 +116,28 @@ def test_reload_of_several_requests_in_one_submission():
     tier.done()
 
 
+def test_under_hicache_the_tier_leaves_the_pools_layer_counter_to_it():
+    """With HiCache on, its controller registers its own counter on the pool after the worker's tier
+    is built: the tier (``per_layer=False``) registers none, and a verify pass waits for its whole
+    load; what it reads is exact, and HiCache's counter is the one the pool waits on."""
+    from sglang.srt.managers.cache_controller import LayerDoneCounter
+
+    pool, alloc = _pool()
+    tier = HostFullKV(pool, capacity_tokens=64, io_backend="torch", per_layer=False)
+    assert pool.layer_transfer_counter is None
+    hicache = LayerDoneCounter(pool.layer_num)
+    pool.register_layer_transfer_counter(hicache)  # as HiCacheController does
+    slots = alloc.alloc(20)
+    expected = _fill(pool, slots, torch.Generator().manual_seed(2))
+    tier.wait_offloaded(tier.offload("a", slots))
+    alloc.free(slots)
+    target = alloc.alloc(20)
+    tier.consume(tier.reload([("a", target)]))
+    assert tier.counter.consumer_index == -1 and pool.layer_transfer_counter is hicache
+    assert _equal(_read_waiting(pool, target), expected)
+    tier.done()
+
+
 def test_bad_input_is_refused_and_loses_nothing():
     pool, alloc = _pool()
     tier = HostFullKV(pool, capacity_tokens=32, io_backend="torch")

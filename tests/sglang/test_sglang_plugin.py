@@ -108,7 +108,6 @@ def test_config_survives_pickling_to_a_subprocess():
         ({"horizn": 8}, (), "unknown keys ['horizn']"),
         ({}, ("--tp-size", "2"), "tensor parallelism"),
         ({}, ("--enable-lora",), "LoRA"),
-        ({"full_kv": "host"}, ("--enable-hierarchical-cache",), "--enable-hierarchical-cache with full_kv=host"),
         ({}, ("--speculative-algorithm", "EAGLE"), "--speculative-algorithm 'EAGLE' was given"),
         ({"horizon": 8}, ("--speculative-num-draft-tokens", "4"), "--speculative-num-draft-tokens 4 was given"),
         ({}, ("--radix-cache-backend", "flexkv"), "--radix-cache-backend 'flexkv' was given"),

@@ -110,12 +110,6 @@ def _unsupported(server_args: ServerArgs, cfg: VeriCacheConfig) -> list[str]:
         problems.append("LoRA: drafts and verification would need the same adapter routing")
     if getattr(server_args, "disable_radix_cache", False):
         problems.append("--disable-radix-cache: compressed copies live next to the radix tree")
-    if getattr(server_args, "enable_hierarchical_cache", False) and cfg.full_kv == "host":
-        problems.append(
-            "--enable-hierarchical-cache with full_kv=host: HiCache's controller owns the device pool's "
-            "per-layer load waits, which the host tier needs; use full_kv store (running requests' full KV "
-            "in the store, prefixes moved by HiCache) or device"
-        )
     return problems
 
 

@@ -13,13 +13,15 @@ content is valid wherever the tree's full KV of that prefix comes from. Copies a
 least-recently-used, at most ``MAX_COPIES``.
 
 The cached prefixes' full KV is HiCache's to move. A running request's own full KV is not: HiCache
-never moves it, so with ``full_kv: "store"`` the worker's store tier does (``full_kv/store_tier.py``,
-its prefix loads off: this tree's L3 prefetch loads prefixes), and the request's rows are freed
-around its offloaded positions (``OffloadedRows``). The matched prefix leaves the device with the
-request too (the store tier writes or adopts its records): the request unlocks its tree node, and
-HiCache may evict that node to its host pool or drop it. ``full_kv: "host"`` stays refused
-(``hooks.py``): the host tier's per-layer waits need the device pool's layer counter, which
-HiCache's controller owns.
+never moves it, so with ``full_kv`` "store" or "host" the worker's tier does (its prefix loads off:
+this tree's L3 prefetch loads prefixes; its loads waited for whole, HiCache's controller owning the
+pool's layer counter), and the request's rows are freed around its offloaded positions
+(``OffloadedRows``). Such a request is barred from the tree, so its prompt is inserted right after
+prefill (``FullKVOffload.admit``: SGLang's ``checkpoint``), for HiCache to write through to its
+host pool and L3 store, where other servers find it. With "store" the prompt then leaves the
+device with the request (the store tier writes or adopts its records): the request unlocks its
+tree node, which HiCache may evict to its host pool. With "host" it stays pinned, as a matched
+prefix does.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ The pieces are SGLang's own HiCache machinery, driven per request instead of per
   when a verification needs them, one layer at a time;
 - ``LayerDoneCounter``, registered on the device pool, marks each layer loaded, and the pool's
   waiting accessors (``get_key_buffer``/``get_value_buffer``, what attention reads) wait on it: a
-  verify pass starts once its first layer is in and overlaps the rest of the load.
+  verify pass starts once its first layer is in and overlaps the rest of the load. With HiCache on,
+  its controller's counter is the pool's (it loads cached prefixes back per layer); this tier's
+  loads are then waited for whole before the verify pass (``per_layer=False``).
 
 Copies: on CUDA with sgl_kernel, SGLang's ``kernel`` (or ``direct``) io backend. Where
 sgl_kernel's kvcacheio ops do not exist (CPU), the ``torch`` io backend copies with torch indexing
@@ -93,10 +95,14 @@ class HostFullKV:
         capacity_tokens: int,
         io_backend: str | None = None,
         pin_memory: bool | None = None,
+        per_layer: bool = True,
     ):
+        """``per_layer``: register this tier's layer counter on ``device_pool``, so a verify pass
+        starts on the first loaded layer; False with HiCache on, whose controller owns the pool's
+        counter: a verify pass then waits for its whole load."""
         if not isinstance(device_pool, MHATokenToKVPool):
             raise TypeError(f"the host tier serves MHA KV pools, got {type(device_pool).__name__}")
-        if getattr(device_pool, "layer_transfer_counter", None) is not None:
+        if per_layer and getattr(device_pool, "layer_transfer_counter", None) is not None:
             raise ValueError(
                 "the device pool already waits on another layer counter (HiCache is on); "
                 "the VeriCache host tier needs its own"
@@ -121,8 +127,10 @@ class HostFullKV:
             host_token_capacity=capacity_tokens,
         )
         self.engine = L2TransferEngine(self.io_backend)
-        self.counter = LayerDoneCounter(device_pool.layer_num)
-        device_pool.register_layer_transfer_counter(self.counter)
+        self.counter = LayerDoneCounter(device_pool.layer_num)  # its events time and order the loads
+        self.per_layer = per_layer
+        if per_layer:
+            device_pool.register_layer_transfer_counter(self.counter)
         self.bytes_per_token = self.host_pool.get_size_per_token()
         self._rows: dict[str, torch.Tensor] = {}  # request id -> host slots, in token order
         self._loads: dict[int, tuple[TransferCompletion, int]] = {}  # producer -> its completion, bytes
@@ -236,8 +244,12 @@ class HostFullKV:
         return producer
 
     def consume(self, producer: int) -> None:
-        """Make the device pool's readers wait per layer on reload ``producer`` (until ``done``)."""
-        self.counter.set_consumer(producer)
+        """Make the device pool's readers wait per layer on reload ``producer`` (until ``done``), or,
+        without this tier's counter on the pool, the current stream wait for all of it."""
+        if self.per_layer:
+            self.counter.set_consumer(producer)
+        else:
+            self.wait_loaded(producer)
 
     def wait_loaded(self, producer: int) -> None:
         """Make the current stream wait for all of reload ``producer`` (for a verify pass that reads

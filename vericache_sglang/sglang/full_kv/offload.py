@@ -90,16 +90,22 @@ class FullKVOffload:
         on_release: Callable[[str], None],
         tier: StoreFullKV | None = None,
         on_error: Callable[[BaseException], None] | None = None,
+        hicache: bool = False,
     ):
         """``tier``: where the full KV goes (default: a host pool of ``cfg.host_pool_ratio`` times the
-        device pool); ``on_error``: told of each offload the tier did not take."""
+        device pool); ``on_error``: told of each offload the tier did not take; ``hicache``: SGLang's
+        HiCache tree is the radix cache (``admit`` publishes prompts to it, and the host tier leaves
+        the pool's layer counter to HiCache's controller)."""
         pool = model_runner.token_to_kv_pool
         if pool.page_size != 1:
             raise ValueError(f"full_kv={cfg.full_kv} needs --page-size 1 (offloaded rows move token by token)")
         self.horizon = cfg.horizon
         self.allocator = allocator
         self.arena_slots = max(1, int(pool.size * cfg.reload_room))
-        self.tier = tier or HostFullKV(pool, capacity_tokens=max(1, int(pool.size * cfg.host_pool_ratio)))
+        self.tier = tier or HostFullKV(
+            pool, capacity_tokens=max(1, int(pool.size * cfg.host_pool_ratio)), per_layer=not hicache
+        )
+        self.publish_prompts = hicache
         self.ledger = RequestOffload(self.tier, model_runner.req_to_token_pool, allocator)
         self.ledger.on_release.append(self._released)
         self._on_release = on_release
@@ -135,6 +141,8 @@ class FullKVOffload:
         matched prefix too (``streams_prefix``: the store holds it), it leaves with them: the request
         is unpinned from the tree and each verification fetches its whole context, so a running
         request pins no device KV; the tree's copy stays as an evictable cache for later prompts."""
+        if self.publish_prompts:
+            self._publish(req, prompt_len)
         start = int(req.kv.cache_protected_len)
         idx = int(req.kv.req_pool_idx)
         row = self.ledger.req_to_token[idx]
@@ -156,6 +164,16 @@ class FullKVOffload:
             req.kv.cache_protected_len = 0  # the whole row is the request's (offloaded from 0)
             self.prefixes_streamed += 1
         return self.offload(req, prompt_len)
+
+    def _publish(self, req: Req, prompt_len: int) -> None:
+        """Insert ``req``'s prompt into the radix tree (SGLang's checkpoint: the row then points at
+        the tree's slots, and the request's matched prefix is the whole prompt). HiCache writes what
+        its tree holds through to its host pool and L3 store, which is how other servers find a
+        prompt: an offloaded request is barred from the tree afterwards, so it is now or never."""
+        tree = tree_for(self.allocator)
+        if tree is None or getattr(req, "lock", None) is None or req.skip_radix_cache_insert:
+            return
+        tree.checkpoint(req, up_to=prompt_len)
 
     def _prefix_tree(self, req: Req, start: int, prompt_len: int, apart: bool) -> BasePrefixCache | None:
         """The radix tree to unpin ``req``'s matched prefix from, when it is to be fetched per
@@ -284,7 +302,7 @@ class FullKVOffload:
                     # layer as they arrive, and runs again if one of them turns out not delivered
                     arriving = [r for r in group if not self.tier.ended(r.rid)]
                     for r in group:
-                        if r not in arriving:
+                        if r.rid not in {a.rid for a in arriving}:
                             self._delivered(r.rid, index[r.rid], r.slots, recompute)
                     self.reloads.before_verify(group)
                     logits = verify(torch.tensor(rows, dtype=torch.int64))

@@ -150,10 +150,11 @@ class VeriCacheWorker(BaseSpecWorker):
             from vericache_sglang.sglang.full_kv.offload import FullKVOffload
 
             tier = None  # the host pool
+            # HiCache's controller owns the pool's layer counter (registered after this) and loads prefixes
+            hicache = bool(getattr(self.server_args, "enable_hierarchical_cache", False))
             if self.cfg.full_kv == "store":  # a store that cannot be used as configured fails the launch
                 from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
 
-                hicache = bool(getattr(self.server_args, "enable_hierarchical_cache", False))
                 tier = StoreFullKV.connect(
                     self.cfg.store, target_pool, self.layout, str(self.device), load_prefixes=not hicache
                 )
@@ -164,6 +165,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 on_release=self._forget,
                 tier=tier,
                 on_error=self._store_error,
+                hicache=hicache,
             )
 
     def init_attention_backends(self) -> None:
