@@ -38,13 +38,15 @@ def store_mode_config(store_url: str) -> dict:
     }
 
 
-def bytes_are_the_requests_full_kv(before: dict, after: dict, got, horizon: int) -> None:
+def bytes_are_the_requests_full_kv(before: dict, after: dict, got, horizon: int, published: bool = False) -> None:
     """One request alone on the server, over a stored prefix its tree now holds: its own positions
     (the prompt past that prefix, then what it committed) were written to the store once each; the
     prefix left the device with it (unpinned from the tree, counted as streamed), so each
     verification fetched its whole context written by then, prefix included, as whole tokens of
     SmolLM2's full KV. The last verification may commit up to ``horizon`` tokens past
-    ``max_tokens``: SGLang trims them from the answer after their KV has left the device."""
+    ``max_tokens``: SGLang trims them from the answer after their KV has left the device. With
+    ``published`` (HiCache on) the whole prompt went into the radix tree after prefill, so only
+    committed tokens are the request's own."""
     from transformers import AutoConfig
 
     from vericache_sglang.engine.model import smollm2_dir
@@ -55,9 +57,10 @@ def bytes_are_the_requests_full_kv(before: dict, after: dict, got, horizon: int)
     written, fetched = grown["vericache_full_kv_written_bytes_total"], grown["vericache_full_kv_fetched_bytes_total"]
     verifications = grown["vericache_verify_passes_total"]
     assert written % per_token == 0 and fetched % per_token == 0, (written, fetched, per_token)
-    own, most = got.prompt_tokens - got.cached_tokens, got.prompt_tokens - got.cached_tokens + got.completion_tokens
+    own = 0 if published else got.prompt_tokens - got.cached_tokens
+    most = own + got.completion_tokens
     assert own <= written // per_token <= most + horizon, (written // per_token, own, most)
-    assert grown["vericache_store_prefixes_streamed_total"] == 1
+    assert grown["vericache_store_prefixes_streamed_total"] == 1, {k: v for k, v in grown.items() if v}
     assert verifications >= 1
     whole, longest = got.prompt_tokens, got.prompt_tokens + got.completion_tokens + horizon
     assert verifications * whole <= fetched // per_token <= verifications * longest, (fetched // per_token, whole)

@@ -152,7 +152,7 @@ def test_vericache_with_hicache_reuses_a_document_another_server_cached(
     assert accepted_length(metrics) > 1.5  # drafts over that copy were accepted
     # B's request held its context only in the store between verifications: the document HiCache
     # loaded left the device with it, and every verification fetched the whole context
-    bytes_are_the_requests_full_kv(before, metrics, second, horizon=store_mode["horizon"])
+    bytes_are_the_requests_full_kv(before, metrics, second, horizon=store_mode["horizon"], published=True)
     assert metrics["vericache_full_kv_recomputes_total"] == 0 and metrics["vericache_store_errors_total"] == 0
 
 

@@ -45,6 +45,7 @@ REQ = {
     "kv.req_pool_idx",
     "lock",  # the tree lock a store-mode request gives back once its prefix is offloaded
     "origin_input_ids",
+    "positional_embed_overrides",  # SGLang's own bar from the tree, kept when a prompt is published
     "prefix_len",
     "return_logprob",
     "rid",

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.model_executor.model_runner import ModelRunner
 
+    from vericache_sglang.core.kv import KVLayout
     from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
     from vericache_sglang.sglang.metrics import WorkerMetrics
 
@@ -133,6 +134,28 @@ class FullKVOffload:
         self.arena: SlotArena | None = None
         self.reloads: StaggeredReloads | None = None
 
+    @classmethod
+    def for_server(
+        cls,
+        cfg: VeriCacheConfig,
+        model_runner: ModelRunner,
+        allocator: BaseTokenToKVPoolAllocator,
+        layout: KVLayout,
+        hicache: bool,
+        on_release: Callable[[str], None],
+        on_error: Callable[[BaseException], None],
+    ) -> FullKVOffload:
+        """The offload of a server's worker: ``cfg.full_kv``'s tier (a store that cannot be used as
+        configured fails the launch here). With HiCache on, its controller owns the pool's layer
+        counter (registered after this) and its tree loads prefixes."""
+        tier = None  # the host pool
+        if cfg.full_kv == "store":
+            from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
+
+            pool, device = model_runner.token_to_kv_pool, str(model_runner.device)
+            tier = StoreFullKV.connect(cfg.store, pool, layout, device, load_prefixes=not hicache)
+        return cls(cfg, model_runner, allocator, on_release, tier=tier, on_error=on_error, hicache=hicache)
+
     # -- after prefill and after each verification --------------------------------------------
 
     def admit(self, req: Req, prompt_len: int) -> int:
@@ -171,7 +194,9 @@ class FullKVOffload:
         its tree holds through to its host pool and L3 store, which is how other servers find a
         prompt: an offloaded request is barred from the tree afterwards, so it is now or never."""
         tree = tree_for(self.allocator)
-        if tree is None or getattr(req, "lock", None) is None or req.skip_radix_cache_insert:
+        # the worker bars every offloaded request from the tree at its first chunk; SGLang's own bar
+        # (KV the token ids alone do not determine) still holds
+        if tree is None or getattr(req, "lock", None) is None or req.positional_embed_overrides is not None:
             return
         tree.checkpoint(req, up_to=prompt_len)
 

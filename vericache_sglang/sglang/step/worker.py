@@ -149,23 +149,14 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.cfg.full_kv in ("host", "store"):
             from vericache_sglang.sglang.full_kv.offload import FullKVOffload
 
-            tier = None  # the host pool
-            # HiCache's controller owns the pool's layer counter (registered after this) and loads prefixes
-            hicache = bool(getattr(self.server_args, "enable_hierarchical_cache", False))
-            if self.cfg.full_kv == "store":  # a store that cannot be used as configured fails the launch
-                from vericache_sglang.sglang.full_kv.store_tier import StoreFullKV
-
-                tier = StoreFullKV.connect(
-                    self.cfg.store, target_pool, self.layout, str(self.device), load_prefixes=not hicache
-                )
-            self.offload = FullKVOffload(
+            self.offload = FullKVOffload.for_server(
                 self.cfg,
                 runner,
                 token_to_kv_pool_allocator or runner.token_to_kv_pool_allocator,
+                self.layout,
+                hicache=bool(getattr(self.server_args, "enable_hierarchical_cache", False)),
                 on_release=self._forget,
-                tier=tier,
                 on_error=self._store_error,
-                hicache=hicache,
             )
 
     def init_attention_backends(self) -> None:
@@ -266,6 +257,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 self.lookup.admit(req.rid, [*req.origin_input_ids, *req.output_ids, int(next_ids[i])])
             if self.offload is not None:
                 self.offload.admit(req, seq_len)
+        if self.offload is not None and self.metrics is not None:  # what prefill moved, counted now
+            self.offload.count_into(self.metrics)
         self._capture.clear()
         result.next_draft_input = VeriCacheDraftInput(seeds=next_ids.reshape(-1).to(torch.int64))
         result.new_seq_lens = batch.seq_lens
