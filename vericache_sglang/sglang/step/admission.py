@@ -60,7 +60,9 @@ class PromptAdmission:
         """Compress a prompt whose KV is complete into the request's draft row; returns its full KV."""
         slots = self.runner.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :seq_len].to(torch.int64)
         full = read_full_kv(self.runner.token_to_kv_pool, slots, self.layout)
-        copy = self._prefix_copy(req, seq_len - ext, full)
+        # the prefix the tree holds: a chunked prefill's earlier chunks are the request's own when
+        # it offloads (barred from the tree), not a cached prefix
+        copy = self._prefix_copy(req, min(seq_len - ext, int(req.kv.cache_protected_len)), full)
         if copy is None:
             kv = self.compressor.compress(full, self.capture.observation(req.rid))
         else:
