@@ -126,7 +126,7 @@ def _fetch_held_at_its_second_layer(fail: bool):
     started, armed = threading.Event(), {"on": False}
 
     def hook(count: int) -> None:
-        if armed["on"] and count == armed["from"] + 2:
+        if armed["on"] and count == armed["start"] + 2:
             assert started.wait(10), "the verify pass never started"
             if fail:
                 raise StoreError("injected failure at layer 1")
@@ -145,7 +145,7 @@ def test_the_verify_pass_starts_on_the_first_fetched_layer(fail):
     offload, errors = store_offload(s, backend)
     req = s.request("a", list(range(1, 41)))
     assert offload.admit(req, 40) == 40
-    armed.update(on=True, **{"from": backend.gets})
+    armed.update(on=True, start=backend.gets)
     layers_in: list[int] = []
     seen: list[bool] = []
 

@@ -127,7 +127,7 @@ class FullKVOffload:
         self.recomputed = 0  # reloads the tier did not deliver, recomputed instead
         self.passes_rerun = 0  # verify passes run again: a reload they read per layer failed mid-pass
         self.prefixes_streamed = 0  # matched prefixes unpinned from the tree, fetched per verification
-        self._counted = (0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)  # what count_into has already added to the metrics
+        self._counted: tuple[float, ...] | None = None  # what count_into has already added to the metrics
         self._verify_from = 0
         self._unplanned: list[str] = []
         self._planned: set[str] = set()
@@ -325,12 +325,14 @@ class FullKVOffload:
                     rows = [index[r.rid] for r in group]
                     # a reload known to have failed is recomputed first; the pass reads the others per
                     # layer as they arrive, and runs again if one of them turns out not delivered
-                    arriving = [r for r in group if not self.tier.ended(r.rid)]
+                    ended = {r.rid: self.tier.ended(r.rid) for r in group}  # asked once: fetches go on
                     for r in group:
-                        if r.rid not in {a.rid for a in arriving}:
+                        if ended[r.rid]:
                             self._delivered(r.rid, index[r.rid], r.slots, recompute)
+                    arriving = [r for r in group if not ended[r.rid]]
                     self.reloads.before_verify(group)
                     logits = verify(torch.tensor(rows, dtype=torch.int64))
+                    # a list, not a generator: every failed reload is recomputed before the pass runs again
                     if not all([self._delivered(r.rid, index[r.rid], r.slots, recompute) for r in arriving]):
                         logits = verify(torch.tensor(rows, dtype=torch.int64))
                         self.passes_rerun += 1
@@ -388,7 +390,7 @@ class FullKVOffload:
             metrics.link_wait,
             metrics.verify_passes_rerun,
         )
-        for counter, value, seen in zip(counters, now, self._counted, strict=True):
+        for counter, value, seen in zip(counters, now, self._counted or (0,) * len(now), strict=True):
             counter.inc(value - seen)
         self._counted = now
 
