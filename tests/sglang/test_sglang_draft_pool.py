@@ -202,3 +202,29 @@ def test_packed_verdicts_are_the_core_decisions():
     assert packed.output_ids.tolist() == [[5, 6, 7, 8], [5, 9, 0, 0], [4, 0, 0, 0]]
     assert packed.new_seq_lens.tolist() == [104, 202, 301]
     assert packed.next_seeds.tolist() == [8, 9, 4]
+
+
+@pytest.mark.parametrize("spec", ["pyramidkv:ratio=0.25", "pyramidkv:ratio=0.25+kivi:bits=4,group=64,residual=64"])
+def test_a_per_layer_budget_gives_each_layer_its_own_part_of_the_row(real_engine, prefills, spec):
+    """A row holds the largest layer's count of kept slots; layer ``l`` reads its own first
+    ``n_l`` of them, then the scratch (what ``draft/layer_rows.py`` hands the backend)."""
+    tokens, pre, _ = prefills
+    pool = _pool(real_engine.runner.layout, spec)
+    ckv = parse_spec(spec).compress(pre.kv, pre.obs)
+    counts = ckv.tokens_per_layer()
+    assert len(set(counts)) > 1  # a pyramid
+    reference = copy.deepcopy(ckv)
+    pool.admit("r1", ckv, len(tokens))
+    index, kept = pool.row_index("r1"), pool.kept_len("r1")
+    assert kept == max(counts)
+    assert pool.shortfalls([index], 0) == [kept - counts[0]]
+    scratch = pool.scratch_slots("r1")
+    for layer, (n, ref) in enumerate(zip(counts, reference.layers, strict=True)):
+        slots = pool.layer_slots(index, layer)
+        assert slots.numel() == n + HORIZON and torch.equal(slots[n:], scratch)
+        rk, rv = ref.read()
+        idx = slots[:n].to(torch.int64)
+        k = pool.token_to_kv_pool.get_key_buffer(layer)[idx].transpose(0, 1)
+        v = pool.token_to_kv_pool.get_value_buffer(layer)[idx].transpose(0, 1)
+        assert torch.equal(k, rk.to(k.dtype)) and torch.equal(v, rv.to(v.dtype))
+    pool.release("r1")

@@ -131,6 +131,32 @@ def test_a_store_behind_an_emulated_link_passes_the_launch_check(store_url):
     assert config_of(sa).store.endswith("?link_ratio=60")
 
 
+def test_probing_compressors_are_served_with_a_tokenizer_only():
+    """KVzip's probes run in the pool (``step/probe.py``); they cue the model with text."""
+    from vericache_sglang.sglang.step.probe import pool_probes
+
+    spec = "kvzip:ratio=0.3,layerwise=true+kivi:bits=4"
+    assert VeriCacheConfig(compressor=spec).compressor.startswith("kvzip:")
+    needs = frozenset({"probe"})
+    assert pool_probes(object(), object(), frozenset({"window"})) is None
+    assert callable(pool_probes(object(), object(), needs))
+    with pytest.raises(VeriCacheConfigError, match="needs its tokenizer"):
+        pool_probes(object(), None, needs)
+
+
+def test_per_layer_budgets_draft_through_backends_that_read_rows_per_layer():
+    """``draft/layer_rows.py`` swaps each layer's row per call: the masked backends precompute theirs."""
+    from vericache_sglang.core.compress import parse_spec
+    from vericache_sglang.sglang.config import check_layer_budgets
+
+    for spec in ("pyramidkv:ratio=0.3+kivi:bits=4", "kvzip:ratio=0.3", "adakv:ratio=0.3"):
+        assert VeriCacheConfig(compressor=spec).compressor.split(":")[0] == spec.split(":")[0]
+        check_layer_budgets(parse_spec(spec), "torch_native")
+        with pytest.raises(VeriCacheConfigError, match="different token counts per layer"):
+            check_layer_budgets(parse_spec(spec), "triton")
+    check_layer_budgets(parse_spec("kvzip:ratio=0.3,layerwise=true"), "triton")
+
+
 def test_config_without_enable_flag_and_bad_json_are_errors():
     with pytest.raises(VeriCacheConfigError, match="without --enable-vericache"):
         prepare_server_args(["--model-path", _model_path(), "--vericache-config", "{}"])

@@ -1,8 +1,10 @@
 """Quantizing compressors inside SGLang: the draft pool holds codes, dequantized a layer at a time
 where attention reads it (``draft/dequant_pool.py``). Every answer is stock SGLang's, and the
 worker commits as many tokens per verification as the reference engine with the same compressor
-on the same prompt (within 5%), so its drafts are the engine's. The default set runs SnapKV + KIVI
-4-bit; the heavy set KIVI alone, int8 and a composition with refresh."""
+on the same prompt (within 5%), so its drafts are the engine's. The default set runs KVzip (its
+probes and per-layer budgets) + KIVI 4-bit + refresh + lookup; the heavy set the recommended spec
+(SnapKV + KIVI + refresh + lookup), KIVI alone, int8, a composition with refresh, PyramidKV and
+Ada-KV + KIVI."""
 
 from __future__ import annotations
 
@@ -10,10 +12,10 @@ import pytest
 from sglang_e2e import COPY, PERSON_FORMAT, prompt, same_as_stock
 
 from vericache_sglang.bench.sglang_server import Ask, SGLangServer, metric_growth
+from vericache_sglang.core.compress import RECOMMENDED
 
 pytestmark = [pytest.mark.real_model, pytest.mark.sglang]
 
-COMPOSED = "snapkv:ratio=0.4+kivi:bits=4,group=64,residual=64"
 HORIZON = 16
 NEW_TOKENS = 64
 
@@ -46,18 +48,21 @@ def as_the_engine_drafts(server: SGLangServer, engine, spec: str, exactness) -> 
     assert abs(worker / reference - 1) <= 0.05, (worker, reference)
 
 
-def test_a_dropper_with_kivi_answers_as_stock_and_drafts_as_the_engine(
+QUESTIONS = [
+    Ask(prompt("prose"), "completion", max_tokens=24, params={"logprobs": 1}),
+    Ask(COPY + prompt("code", 400), "chat", stream=True, max_tokens=24),
+    Ask("Give me a person as JSON.", "chat", max_tokens=24, params={"response_format": PERSON_FORMAT}),
+]
+
+
+@pytest.mark.slow
+def test_the_recommended_spec_answers_as_stock_and_drafts_as_the_engine(
     stock_server, sglang_logs, real_engine, exactness
 ):
-    server = _server(sglang_logs, COMPOSED)
+    server = _server(sglang_logs, RECOMMENDED)
     try:
-        questions = [
-            Ask(prompt("prose"), "completion", max_tokens=24, params={"logprobs": 1}),
-            Ask(COPY + prompt("code", 400), "chat", stream=True, max_tokens=24),
-            Ask("Give me a person as JSON.", "chat", max_tokens=24, params={"response_format": PERSON_FORMAT}),
-        ]
-        same_as_stock(stock_server, server, questions, exactness, f"quantized {COMPOSED}")
-        as_the_engine_drafts(server, real_engine, COMPOSED, exactness)
+        same_as_stock(stock_server, server, QUESTIONS, exactness, f"quantized {RECOMMENDED}")
+        as_the_engine_drafts(server, real_engine, RECOMMENDED, exactness)
     finally:
         server.stop()
 
@@ -84,5 +89,38 @@ def test_each_quantizer_answers_as_stock_and_drafts_as_the_engine(
             f"quantized {spec}",
         )
         as_the_engine_drafts(server, real_engine, spec, exactness)
+    finally:
+        server.stop()
+
+
+KVZIP = "kvzip:ratio=0.3+kivi:bits=4,group=64,residual=64+refresh:ratio=0.0125,span=14+lookup:trust=0"
+
+
+def test_kvzip_probes_in_the_pool_answers_as_stock_and_drafts_as_the_engine(
+    stock_server, sglang_logs, real_engine, exactness
+):
+    """KVzip's reconstruction probes run in SGLang's pool (``step/probe.py``) and its budgets,
+    ranked over all layers, differ per layer (``draft/layer_rows.py``): the worker's drafts are
+    the engine's, whose probes run in its own runner and whose layers keep their own counts, and
+    every answer is stock's."""
+    server = _server(sglang_logs, KVZIP)
+    try:
+        as_the_engine_drafts(server, real_engine, KVZIP, exactness)
+        same_as_stock(stock_server, server, QUESTIONS, exactness, f"kvzip {KVZIP}")
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["pyramidkv:ratio=0.3", "adakv:ratio=0.3+kivi:bits=4,group=64,residual=64"])
+def test_per_layer_budgets_answer_as_stock_and_draft_as_the_engine(
+    stock_server, sglang_logs, real_engine, exactness, spec
+):
+    """Per-layer budgets in the plain pool (PyramidKV: every layer's slots are the largest
+    layer's) and in the dequantizing pool (Ada-KV's per-layer maxima over KIVI codes)."""
+    server = _server(sglang_logs, spec)
+    try:
+        as_the_engine_drafts(server, real_engine, spec, exactness)
+        same_as_stock(stock_server, server, [Ask(prompt("prose"), "completion", max_tokens=24)], exactness, spec)
     finally:
         server.stop()

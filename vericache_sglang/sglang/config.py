@@ -47,18 +47,27 @@ class VeriCacheConfigError(ValueError):
     """A ``--vericache-config`` that cannot be served, with the reason."""
 
 
+def check_layer_budgets(compressor: Compressor, backend: str | None) -> None:
+    """Per-layer budgets draft through backends that read each layer's row at its call
+    (``draft/layer_rows.py``); the masked GPU backends precompute one set of indices a pass."""
+    if not compressor.uniform_layers and backend not in CHAIN_VERIFY_BACKENDS:
+        raise VeriCacheConfigError(
+            f"vericache-config compressor {compressor.spec!r} keeps different token counts per layer, which "
+            f"the draft pass reads through {', '.join(CHAIN_VERIFY_BACKENDS)} only, not {backend!r}; "
+            "pick a uniform budget (kvzip: layerwise=true; snapkv) or --decode-attention-backend torch_native"
+        )
+
+
 def _unsupported_by_worker(compressor: Compressor | type[Compressor]) -> str:
     """Why the SGLang worker cannot run ``compressor`` (empty when it can)."""
-    if not compressor.uniform_layers:
-        return "its layers keep different token counts, and the draft pool gives one slot set to all layers"
-    extra = compressor.needs - {"window"}
+    extra = compressor.needs - {"window", "probe"}  # probe: step/probe.py
     inner = getattr(compressor, "inner", None)
     if getattr(compressor, "refreshes", False) and inner is not None and not inner.update_queries:
         extra -= {"update_queries"}  # refresh's alone: the worker captures the verify pass's queries
     if extra:
         return (
             f"it needs {', '.join(sorted(extra))} from the model, and the worker captures only the "
-            "prefill's last queries"
+            "prefill's last queries and probe forwards"
         )
     return ""
 

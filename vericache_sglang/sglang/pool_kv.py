@@ -90,16 +90,16 @@ def compress_from_pool(
 def write_kept_tokens(pool: MHATokenToKVPool, slots: torch.Tensor, compressed: CompressedKV) -> None:
     """Write a token-dropping compressed copy into a private draft pool at ``slots``.
 
-    Every layer must keep the same number of tokens (one req_to_token row serves all layers);
-    per-head positions may differ, since attention only reads each head's own K/V.
+    Layer ``l`` keeps ``n_l`` tokens, written into the first ``n_l`` slots (one req_to_token row
+    serves all layers; ``draft/layer_rows.py`` gives each layer its own count); per-head positions
+    may differ, since attention only reads each head's own K/V.
     """
-    counts = set(compressed.tokens_per_layer())
-    if len(counts) != 1:
-        raise ValueError(f"draft pool rows need one token count for all layers, got {sorted(counts)}")
-    (count,) = counts
-    if slots.numel() != count:
-        raise ValueError(f"{slots.numel()} slots for {count} kept tokens")
-    _write_layers(pool, slots, [comp.read() for comp in compressed.layers])
+    counts = compressed.tokens_per_layer()
+    if slots.numel() != max(counts):
+        raise ValueError(f"{slots.numel()} slots for up to {max(counts)} kept tokens a layer")
+    for layer, comp in enumerate(compressed.layers):
+        k, v = comp.read()
+        write_layer(pool, slots[: k.shape[1]], layer, k, v)
 
 
 def write_full_kv(pool: MHATokenToKVPool, slots: torch.Tensor, full: FullKV) -> None:

@@ -46,7 +46,7 @@ class Compressor(ABC):
     - ``needs`` (empty): what compressing or committing reads besides the KV, through ``Observation``:
       ``"window"`` (the prefill's last queries), ``"prompt"`` (every prompt query), ``"rope"``, ``"probe"``
       (extra forwards), ``"update_queries"`` (committed tokens' queries in ``update``). Read by ``commit``
-      and ``update_queries`` here, by ``sglang/config.py`` (the SGLang worker provides ``"window"`` only and
+      and ``update_queries`` here, by ``sglang/config.py`` (the SGLang worker provides ``"window"`` and ``"probe"`` and
       refuses the rest, save refresh's own ``"update_queries"``) and by ``describe_compressors``.
     - ``uniform_layers`` (``True``): every layer keeps the same token count. ``sglang/config.py`` refuses
       ``False`` (the draft pool gives one slot set to all layers); reported by ``describe_compressors``.
@@ -90,7 +90,7 @@ class Compressor(ABC):
     document_scoring: ClassVar[str] = "the document's own queries (no question yet: KVzip's query-agnostic setting)"
     # What the compressor reads besides the KV: "window" (the prefill's last queries), "prompt"
     # (every prompt query), "rope", "probe" (extra forwards), "update_queries" (committed tokens'
-    # queries in ``update``). The SGLang path provides "window" only.
+    # queries in ``update``). The SGLang path provides "window" and "probe".
     needs: ClassVar[frozenset[str]] = frozenset()
     # Every layer keeps the same token count (one slot set serves all layers in a paged pool).
     uniform_layers: ClassVar[bool] = True

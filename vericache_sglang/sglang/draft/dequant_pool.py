@@ -101,7 +101,7 @@ class DequantizingKVPool(MHATokenToKVPool):
         ws_k, ws_v = self.k_buffer[0], self.v_buffer[0]
         for row, kept, scratch, kv in self._rows():
             k, v = kv.layers[layer].read()
-            idx = kept.to(device=ws_k.device, dtype=torch.int64)
+            idx = kept[: k.shape[1]].to(device=ws_k.device, dtype=torch.int64)  # this layer's own count
             ws_k[idx] = k.transpose(0, 1).to(ws_k.dtype)
             ws_v[idx] = v.transpose(0, 1).to(ws_v.dtype)
             if row in self._lanes:

@@ -53,9 +53,11 @@ class _Row:
     kv: CompressedKV
     next_position: int  # absolute position of the next token to commit
 
+    counts: list[int]  # kept tokens per layer (the row's kept slots: the largest)
+
     @property
     def kept(self) -> int:
-        return self.kv.layers[0].num_tokens
+        return max(self.counts)
 
 
 class CompressedDraftPool:
@@ -107,6 +109,9 @@ class CompressedDraftPool:
         )
         self.pools = DraftPools(self.req_to_token_pool, self.token_to_kv_pool, self.allocator, inner_backend)
         self.rows: dict[str, _Row] = {}
+        self._by_index: dict[int, _Row] = {}  # private row index -> its row
+        # layers may keep different counts (``layer_rows.py``): the draft backends read per layer
+        self.per_layer = not compressor.uniform_layers
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -114,19 +119,19 @@ class CompressedDraftPool:
         """Take a request's compressed prompt KV (``num_tokens`` prompt tokens); returns its row."""
         if rid in self.rows:
             raise ValueError(f"request {rid} already has a draft row")
-        counts = set(kv.tokens_per_layer())
-        if len(counts) != 1:
-            raise ValueError(f"draft rows need one kept-token count for all layers, got {sorted(counts)}")
+        if not self.per_layer and len(set(kv.tokens_per_layer())) != 1:
+            raise ValueError(f"draft rows need one kept-token count for all layers, got {kv.tokens_per_layer()}")
         indices = self.req_to_token_pool.alloc_rows(1)
         if not indices:
             raise DraftPoolFull("no free draft row")
-        row = _Row(indices[0], torch.empty(0, dtype=torch.int64), kv, num_tokens)
+        row = _Row(indices[0], torch.empty(0, dtype=torch.int64), kv, num_tokens, [])
         try:
             self._write_row(row)
         except DraftPoolFull:
             self.req_to_token_pool.free_rows([row.index])
             raise
         self.rows[rid] = row
+        self._by_index[row.index] = row
         return row.index
 
     def commit(
@@ -157,6 +162,7 @@ class CompressedDraftPool:
         row = self.rows.pop(rid, None)
         if row is None:
             return
+        self._by_index.pop(row.index, None)
         self.allocator.free(row.slots)
         self.req_to_token_pool.free_rows([row.index])
         if self.quantized:
@@ -183,8 +189,20 @@ class CompressedDraftPool:
     def nbytes(self) -> int:
         return sum(row.kv.nbytes for row in self.rows.values())
 
+    def shortfalls(self, indices: Sequence[int], layer_id: int) -> list[int]:
+        """Per private row: how many of its kept slots layer ``layer_id`` leaves unread."""
+        layer = layer_id - self.token_to_kv_pool.start_layer
+        return [(row := self._by_index[i]).kept - row.counts[layer] for i in indices]
+
+    def layer_slots(self, index: int, layer_id: int) -> torch.Tensor:
+        """Private row ``index`` as layer ``layer_id`` reads it: its kept slots, then the scratch."""
+        row = self._by_index[index]
+        n = row.counts[layer_id - self.token_to_kv_pool.start_layer]
+        return torch.cat([row.slots[:n], row.slots[row.kept :]])
+
     def _write_row(self, row: _Row) -> None:
-        kept = row.kv.layers[0].num_tokens
+        row.counts = row.kv.tokens_per_layer()
+        kept = row.kept
         slots = self.allocator.alloc(kept + self.scratch)
         if slots is None:
             raise DraftPoolFull(f"no room for {kept + self.scratch} draft tokens")

@@ -5,6 +5,10 @@ A prompt that continues a cached prefix (matched in the radix tree, then compute
 drafts over the deepest compressed copy on its matched path (``draft.radix_cache``), made now if
 there is none, with the prompt's own tokens after it folded in exactly: a shared document is
 compressed once, not once per question.
+
+A compressor that asks the model for more than the observation window (KVzip's reconstruction)
+gets a ``PoolProbe`` over the request's row (``probe.py``); when the pool has no room for its
+probe the request has no draft row and is verified one token a step, as when the draft pool is full.
 """
 
 from __future__ import annotations
@@ -15,15 +19,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vericache_sglang.core.compress import Compressor
-from vericache_sglang.core.kv import FullKV, KVLayout
+from vericache_sglang.core.compress import Compressor, Observation
+from vericache_sglang.core.kv import CompressedKV, FullKV, KVLayout
 from vericache_sglang.sglang.draft.pool import CompressedDraftPool, DraftPoolFull
 from vericache_sglang.sglang.draft.radix_cache import CompressedPrefix, VeriCacheRadixCache, tree_for
 from vericache_sglang.sglang.pool_kv import read_full_kv
 from vericache_sglang.sglang.step.draft_state import QueryCapture
+from vericache_sglang.sglang.step.probe import PoolProbe, ProbeUnavailable
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     from vericache_sglang.sglang.draft.hicache_tree import VeriCacheHiRadixCache
@@ -36,7 +41,8 @@ COPY_GRAIN = 256  # compressed copies end at multiples of this many tokens
 class PromptAdmission:
     """Admits prefilled prompts into ``draft_pool``; ``on_release(rid)`` hears of rows the radix tree
     releases (a retracted or aborted request's draft row goes with its KV row); ``count(name)``
-    counts prefix-copy hits and copies made."""
+    counts prefix-copy hits and copies made; ``probe(batch, req, tokens)`` builds the probe source
+    over ``req``'s first ``len(tokens)`` tokens, for compressors that need one."""
 
     def __init__(
         self,
@@ -47,6 +53,7 @@ class PromptAdmission:
         capture: QueryCapture,
         on_release: Callable[[str], None],
         count: Callable[[str], None],
+        probe: Callable[[ScheduleBatch, Req, list[int]], PoolProbe] | None = None,
     ):
         self.runner = runner
         self.layout = layout
@@ -55,16 +62,30 @@ class PromptAdmission:
         self.capture = capture
         self.on_release = on_release
         self.count = count
+        self.probe = probe if "probe" in compressor.needs else None
 
-    def admit(self, req: Req, seq_len: int, ext: int) -> FullKV:
+    def admit(self, batch: ScheduleBatch, req: Req, seq_len: int, ext: int) -> FullKV:
         """Compress a prompt whose KV is complete into the request's draft row; returns its full KV."""
         slots = self.runner.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :seq_len].to(torch.int64)
         full = read_full_kv(self.runner.token_to_kv_pool, slots, self.layout)
+        try:
+            kv = self._compressed(batch, req, seq_len, ext, full)
+        except ProbeUnavailable as e:
+            self.capture.forget(req.rid)
+            logger.warning("VeriCache: request %s has no draft row (%s); verified one token per step", req.rid, e)
+            return full
+        try:
+            self.draft_pool.admit(req.rid, kv, seq_len)
+        except DraftPoolFull as e:
+            logger.warning("VeriCache: request %s has no draft row (%s); verified one token per step", req.rid, e)
+        return full
+
+    def _compressed(self, batch: ScheduleBatch, req: Req, seq_len: int, ext: int, full: FullKV) -> CompressedKV:
         # the prefix the tree holds: a chunked prefill's earlier chunks are the request's own when
         # it offloads (barred from the tree), not a cached prefix
-        copy = self._prefix_copy(req, min(seq_len - ext, int(req.kv.cache_protected_len)), full)
+        copy = self._prefix_copy(batch, req, min(seq_len - ext, int(req.kv.cache_protected_len)), full)
         if copy is None:
-            kv = self.compressor.compress(full, self.capture.observation(req.rid))
+            kv = self.compressor.compress(full, self._observation(batch, req, seq_len))
         else:
             kv = copy.kv.clone()
             # the prompt's own tokens folded in exactly; with +refresh the copy's rows stay the
@@ -72,11 +93,14 @@ class PromptAdmission:
             positions = torch.arange(copy.num_tokens, seq_len, device=self.runner.device)
             for layer, (k, v) in enumerate(full.slice(copy.num_tokens, seq_len).layers):
                 self.compressor.update(kv, layer, k, v, positions)
-        try:
-            self.draft_pool.admit(req.rid, kv, seq_len)
-        except DraftPoolFull as e:
-            logger.warning("VeriCache: request %s has no draft row (%s); verified one token per step", req.rid, e)
-        return full
+        return kv
+
+    def _observation(self, batch: ScheduleBatch, req: Req, n: int, follows: bool = False) -> Observation:
+        """The request's prefill queries, and for a probing compressor the model over its first ``n`` tokens."""
+        obs = self.capture.observation(req.rid, follows=follows)
+        if self.probe is not None:
+            obs.source = self.probe(batch, req, [*req.origin_input_ids, *req.output_ids][:n])
+        return obs
 
     def tree(self) -> VeriCacheRadixCache | VeriCacheHiRadixCache | None:
         """The vericache radix cache (built after the worker's pools; SGLang's HiCache tree with
@@ -86,7 +110,7 @@ class PromptAdmission:
             tree.release_listeners.append(self.on_release)
         return tree
 
-    def _prefix_copy(self, req: Req, cached: int, full: FullKV) -> CompressedPrefix | None:
+    def _prefix_copy(self, batch: ScheduleBatch, req: Req, cached: int, full: FullKV) -> CompressedPrefix | None:
         """The compressed copy of a cached prefix ``req`` continues (``cached`` tokens matched in
         the tree), or None when it shares too little to draft from one."""
         tree = self.tree()
@@ -101,7 +125,7 @@ class PromptAdmission:
         if length < MIN_SHARED_PREFIX:
             return None
         copy = CompressedPrefix(
-            length, self.compressor.compress(full.slice(0, length), self.capture.observation(req.rid, follows=True))
+            length, self.compressor.compress(full.slice(0, length), self._observation(batch, req, length, follows=True))
         )
         tree.keep_copy(req, copy)
         self.count("prefix_copies_made")

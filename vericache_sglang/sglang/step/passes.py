@@ -24,8 +24,10 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
+from vericache_sglang.sglang.config import check_layer_budgets
 from vericache_sglang.sglang.cpu.chain_attention import NAME as CHAIN_BACKEND
 from vericache_sglang.sglang.draft.attention import create_draft_backend, pools_bound
+from vericache_sglang.sglang.draft.layer_rows import LayerRowsBackend
 
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -59,6 +61,7 @@ class Passes:
         # it): which path verified, as run, not as configured
         self.target_verify_forwards: collections.Counter[str] = collections.Counter()
         draft_pool.pools.inner_backend = runner.decode_attention_backend_str  # drafting is decoding
+        check_layer_budgets(draft_pool.compressor, draft_pool.pools.inner_backend)
         self.draft_backend = create_draft_backend(runner)
         # the server's backend verifies where it reads SGLang's chain mask; torch_native cannot
         self.verify_backend: AttentionBackend | None = None
@@ -70,6 +73,9 @@ class Passes:
         if lookup and forwards.convention == "chain":
             with pools_bound(runner, draft_pool.pools):
                 self.draft_chain_backend = ATTENTION_BACKENDS[CHAIN_BACKEND](runner)
+        if draft_pool.per_layer:  # each layer reads its own kept count
+            self.draft_backend = LayerRowsBackend(self.draft_backend, draft_pool)
+            self.draft_chain_backend = LayerRowsBackend(self.draft_chain_backend, draft_pool)
 
     @contextlib.contextmanager
     def using(self, backend: AttentionBackend | None, fb: ForwardBatch) -> Iterator[None]:

@@ -57,6 +57,7 @@ from vericache_sglang.sglang.step.forward import ForwardBuilder
 from vericache_sglang.sglang.step.grammar_masks import ChainMasks
 from vericache_sglang.sglang.step.passes import Passes
 from vericache_sglang.sglang.step.prefix_repair import PrefixRepair
+from vericache_sglang.sglang.step.probe import pool_probes
 from vericache_sglang.sglang.step.request_plan import Plan, plan_request
 from vericache_sglang.sglang.step.seeded_draw import BatchPath
 from vericache_sglang.sglang.step.step_output import step_output
@@ -187,6 +188,7 @@ class VeriCacheWorker(BaseSpecWorker):
             self._capture,
             on_release=self._forget,
             count=self._count,
+            probe=pool_probes(self.passes, self.target_worker.tokenizer, self.compressor.needs),
         )
         self._prefixes = PrefixRepair(
             self.offload, self.passes.recompute, self._admission.tree, runner.req_to_token_pool
@@ -252,7 +254,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 if req.return_logprob:
                     row = torch.log_softmax(logits[i].float() / plan.sampler.params.temperature, dim=-1)
                     result.logits_output.next_token_logprobs[i] = row[token]
-            self._admission.admit(req, seq_len, ext)
+            self._admission.admit(batch, req, seq_len, ext)
             if self.lookup is not None and self.draft_pool.has(req.rid):
                 self.lookup.admit(req.rid, [*req.origin_input_ids, *req.output_ids, int(next_ids[i])])
             if self.offload is not None:

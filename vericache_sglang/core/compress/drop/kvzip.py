@@ -61,11 +61,12 @@ class KVzip(KeepingDropper):
     summary = "context-reconstruction attention (query-agnostic); runs the model again over the prompt"
     document_scoring = "query-agnostic: attention while the model reconstructs the document"
     needs = frozenset({"probe"})
-    uniform_layers = False
+    uniform_layers = False  # per instance: True with ``layerwise``
 
     def validate(self) -> None:
         p = self.params
         check_ratio("kvzip", p.ratio)
+        self.uniform_layers = bool(p.layerwise)
         if p.chunk < 1 or p.n_sink < 0:
             raise ValueError(f"kvzip: chunk must be >= 1 and n_sink >= 0, got {p.chunk}, {p.n_sink}")
 
