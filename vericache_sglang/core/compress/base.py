@@ -48,8 +48,9 @@ class Compressor(ABC):
       (extra forwards), ``"update_queries"`` (committed tokens' queries in ``update``). Read by ``commit``
       and ``update_queries`` here, by ``sglang/config.py`` (the SGLang worker provides ``"window"`` and ``"probe"`` and
       refuses the rest, save refresh's own ``"update_queries"``) and by ``describe_compressors``.
-    - ``uniform_layers`` (``True``): every layer keeps the same token count. ``sglang/config.py`` refuses
-      ``False`` (the draft pool gives one slot set to all layers); reported by ``describe_compressors``.
+    - ``uniform_layers`` (``True``): every layer keeps the same token count (an instance may set it from its
+      parameters, as KVzip's ``layerwise``). The SGLang worker drafts ``False`` through torch_native only
+      (``sglang/draft/layer_rows.py``, ``config.check_layer_budgets``); reported by ``describe_compressors``.
     - ``evicts`` (``False``): ``update`` may drop tokens it kept before. ``Composed`` refuses an evicting
       dropper before a quantizer; reported by ``describe_compressors`` as ``evicts_while_decoding``.
     - ``refreshes`` (``False``): rows re-chosen at each verification by ``refresh``, which the engine
