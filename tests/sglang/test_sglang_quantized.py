@@ -53,6 +53,19 @@ def as_the_engine_drafts(server: SGLangServer, engine, spec: str, exactness) -> 
     assert abs(worker / reference - 1) <= 0.05, (worker, reference)
 
 
+def drafts_as_the_engine_and_answers_as_stock(
+    stock_server, sglang_logs, engine, exactness, spec: str, questions
+) -> None:
+    """A VeriCache server with ``spec``: first the engine comparison (on a prompt the server has not
+    seen), then ``questions`` against stock."""
+    server = _server(sglang_logs, spec)
+    try:
+        as_the_engine_drafts(server, engine, spec, exactness)
+        same_as_stock(stock_server, server, questions, exactness, f"quantized {spec}")
+    finally:
+        server.stop()
+
+
 QUESTIONS = [
     Ask(prompt("prose"), "completion", max_tokens=24, params={"logprobs": 1}),
     Ask(COPY + prompt("code", 400), "chat", stream=True, max_tokens=24),
@@ -64,12 +77,7 @@ QUESTIONS = [
 def test_the_recommended_spec_answers_as_stock_and_drafts_as_the_engine(
     stock_server, sglang_logs, real_engine, exactness
 ):
-    server = _server(sglang_logs, RECOMMENDED)
-    try:
-        as_the_engine_drafts(server, real_engine, RECOMMENDED, exactness)
-        same_as_stock(stock_server, server, QUESTIONS, exactness, f"quantized {RECOMMENDED}")
-    finally:
-        server.stop()
+    drafts_as_the_engine_and_answers_as_stock(stock_server, sglang_logs, real_engine, exactness, RECOMMENDED, QUESTIONS)
 
 
 @pytest.mark.slow
@@ -84,18 +92,8 @@ def test_the_recommended_spec_answers_as_stock_and_drafts_as_the_engine(
 def test_each_quantizer_answers_as_stock_and_drafts_as_the_engine(
     stock_server, sglang_logs, real_engine, exactness, spec
 ):
-    server = _server(sglang_logs, spec)
-    try:
-        same_as_stock(
-            stock_server,
-            server,
-            [Ask(COPY + prompt("code", 400), "completion", max_tokens=24)],
-            exactness,
-            f"quantized {spec}",
-        )
-        as_the_engine_drafts(server, real_engine, spec, exactness)
-    finally:
-        server.stop()
+    questions = [Ask(COPY + prompt("code", 400), "completion", max_tokens=24)]
+    drafts_as_the_engine_and_answers_as_stock(stock_server, sglang_logs, real_engine, exactness, spec, questions)
 
 
 KVZIP = "kvzip:ratio=0.3+kivi:bits=4,group=64,residual=64+refresh:ratio=0.0125,span=14+lookup:trust=0"
@@ -108,12 +106,7 @@ def test_kvzip_probes_in_the_pool_answers_as_stock_and_drafts_as_the_engine(
     ranked over all layers, differ per layer (``draft/layer_rows.py``): the worker's drafts are
     the engine's, whose probes run in its own runner and whose layers keep their own counts, and
     every answer is stock's."""
-    server = _server(sglang_logs, KVZIP)
-    try:
-        as_the_engine_drafts(server, real_engine, KVZIP, exactness)
-        same_as_stock(stock_server, server, QUESTIONS, exactness, f"kvzip {KVZIP}")
-    finally:
-        server.stop()
+    drafts_as_the_engine_and_answers_as_stock(stock_server, sglang_logs, real_engine, exactness, KVZIP, QUESTIONS)
 
 
 @pytest.mark.slow
@@ -123,9 +116,5 @@ def test_per_layer_budgets_answer_as_stock_and_draft_as_the_engine(
 ):
     """Per-layer budgets in the plain pool (PyramidKV: every layer's slots are the largest
     layer's) and in the dequantizing pool (Ada-KV's per-layer maxima over KIVI codes)."""
-    server = _server(sglang_logs, spec)
-    try:
-        as_the_engine_drafts(server, real_engine, spec, exactness)
-        same_as_stock(stock_server, server, [Ask(prompt("prose"), "completion", max_tokens=24)], exactness, spec)
-    finally:
-        server.stop()
+    questions = [Ask(prompt("prose"), "completion", max_tokens=24)]
+    drafts_as_the_engine_and_answers_as_stock(stock_server, sglang_logs, real_engine, exactness, spec, questions)

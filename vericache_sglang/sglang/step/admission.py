@@ -62,7 +62,7 @@ class PromptAdmission:
         self.capture = capture
         self.on_release = on_release
         self.count = count
-        self.probe = probe if "probe" in compressor.needs else None
+        self.probe = probe  # None unless the compressor needs one (``probe.pool_probes``)
 
     def admit(self, batch: ScheduleBatch, req: Req, seq_len: int, ext: int) -> FullKV:
         """Compress a prompt whose KV is complete into the request's draft row; returns its full KV."""
