@@ -62,7 +62,9 @@ def test_parse_spec(spec, cls, params):
         ("snapkv:ratio=1.5", "ratio must be in (0, 1]"),
         ("snapkv:kernel=4", "odd number"),
         ("kivi:bits=3", "bits must be 2 or 4"),
-        ("kivi:residual=48", "multiple of group"),
+        ("kivi:residual=48", "multiple of the key group (32)"),
+        ("kivi:group=64,key_group=16,residual=40", "multiple of the key group (16)"),
+        ("kivi:value_group=-1", "group sizes must be >= 1"),
         ("streamingllm:window=0", "window must be >= 1"),
         ("snapkv:ratio=0.5,ratio=0.25", "given twice"),
     ],
@@ -169,6 +171,27 @@ def test_kivi_sizes_and_residual(bits):
     new = full_kv(100, seed=3).layers[0]
     c.update(ckv, 0, new[0], new[1], torch.arange(300, 400))
     assert ckv.layers[0].quantized_tokens == 384 and ckv.layers[0].num_tokens == 400
+
+
+def test_kivi_key_and_value_groups_apart():
+    """``key_group`` / ``value_group`` set each side's scale grouping: the bytes are each side's own,
+    and smaller key groups quantize keys closer (keys per channel over fewer tokens)."""
+    kv = full_kv(300)
+    k_true, v_true = kv.layers[0]
+    both = parse_spec("kivi:bits=4,group=64,residual=64").compress(kv).layers[0]
+    apart = parse_spec("kivi:bits=4,group=64,key_group=16,residual=64").compress(kv).layers[0]
+    assert isinstance(apart, KIVILayer) and (apart.key_group, apart.value_group) == (16, 64)
+    assert apart.quantized_tokens == both.quantized_tokens == 256
+    # keys: one (scale, min) per channel per 16 tokens instead of 64; values unchanged
+    extra = 2 * 2 * (256 // 16 - 256 // 64) * 64 * 2
+    assert apart.nbytes == both.nbytes + extra
+    (k_both, v_both), (k_apart, v_apart) = both.read(), apart.read()
+    assert torch.equal(v_both, v_apart)
+    err = lambda k: (k[:, :256] - k_true[:, :256]).abs().mean()  # noqa: E731
+    assert err(k_apart) < err(k_both)
+    assert torch.equal(k_apart[:, 256:], k_true[:, 256:])  # the residual stays exact
+    values_apart = parse_spec("kivi:bits=4,group=64,value_group=16,residual=64").compress(kv).layers[0]
+    assert (values_apart.read()[1][:, :256] - v_true[:, :256]).abs().mean() < (v_both[:, :256] - v_true[:, :256]).abs().mean()
 
 
 def test_compressed_bytes_are_smaller_than_full():

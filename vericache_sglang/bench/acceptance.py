@@ -162,6 +162,17 @@ class WindowReplay:
     lookup_accepted: int
 
 
+@dataclass
+class Miss:
+    """A window's first wrong draft: where, and how close full-KV decoding's choice was there."""
+
+    step: int  # index in the trajectory of the token drafted wrong
+    truth: int  # full-KV decoding's token there
+    drafted: int  # the compressed KV's argmax there (teacher-forced)
+    full_margin: float  # full-KV logits: top-1 minus top-2 (a near tie when small)
+    draft_margin: float  # draft logits: the drafted token's minus the truth's
+
+
 def replay_window(
     truth: list[int],
     model: list[int] | None,
@@ -217,11 +228,13 @@ def replay(
     compressor: Compressor,
     horizon: int,
     n_tokens: int | None = None,
+    misses: list[Miss] | None = None,
 ) -> dict:
     """Windows of a static horizon along the trajectory, as the engine runs them, for the drafting
     that depends on where windows fall: verification-guided refresh (rows re-chosen by each
     verification's committed queries) and prompt lookup (the index holds the committed tokens).
-    The compressed KV is folded and refreshed window by window exactly as the engine does."""
+    The compressed KV is folded and refreshed window by window exactly as the engine does.
+    ``misses``, when given, collects each window's first wrong draft where the model drafted it."""
     g, p = traj.tokens, len(pre.tokens)
     n = len(g) if n_tokens is None else n_tokens
     lookup = compressor.lookup
@@ -249,6 +262,20 @@ def replay(
 
         w = replay_window(g[c : c + x], predicted, propose, x, lookup)
         windows.append(w)
+        if misses is not None and predicted is not None and w.accepted < x:
+            j = c + w.accepted
+            if predicted[w.accepted] != g[j]:  # the model's draft (not a lookup chain's) missed
+                top = traj.logits[j].float().topk(2).values
+                row = out.logits[w.accepted].float()
+                misses.append(
+                    Miss(
+                        j,
+                        g[j],
+                        predicted[w.accepted],
+                        float(top[0] - top[1]),
+                        float(row[predicted[w.accepted]] - row[g[j]]),
+                    )
+                )
         t = w.accepted + 1  # the committed tokens; their inputs g[c-1 .. c+t-2] become exact
         a, b = c - 1, c - 1 + t
         exact = [(k[:, a:b], v[:, a:b]) for k, v in traj.kv]

@@ -34,12 +34,23 @@ class KIVIParams:
     residual : int
         Residual length in tokens (the paper's R): the newest tokens, fewer than ``residual``, stay in full
         precision; when the residual reaches ``residual`` tokens it is quantized as one block. A positive
-        multiple of ``group``.
+        multiple of the key group.
+    key_group : int
+        Tokens per key (scale, min), per channel, when it differs from ``group``: 0 takes ``group``.
+    value_group : int
+        Channels per value (scale, min), per token, when it differs from ``group``: 0 takes ``group``.
     """
 
     bits: int = 2
     group: int = 32
     residual: int = 128
+    key_group: int = 0
+    value_group: int = 0
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """(tokens per key scale, channels per value scale)."""
+        return self.key_group or self.group, self.value_group or self.group
 
 
 class QuantBlocks:
@@ -62,8 +73,11 @@ class QuantBlocks:
 
 
 class KIVILayer(CompressedLayer):
-    def __init__(self, bits: int, group: int, dtype: torch.dtype, k_res: torch.Tensor, v_res: torch.Tensor):
-        self.bits, self.group, self.dtype = bits, group, dtype
+    def __init__(
+        self, bits: int, groups: tuple[int, int], dtype: torch.dtype, k_res: torch.Tensor, v_res: torch.Tensor
+    ):
+        self.bits, self.dtype = bits, dtype
+        self.key_group, self.value_group = groups
         self.k_blocks = QuantBlocks(bits)
         self.v_blocks = QuantBlocks(bits)
         self.quantized_tokens = 0
@@ -87,12 +101,12 @@ class KIVILayer(CompressedLayer):
             self._v_res_rows.drop(0, nq)
 
     def quantize_block(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize ``k, v`` (``[heads, n, dim]``, ``n`` a multiple of ``group``) and append them."""
+        """Quantize ``k, v`` (``[heads, n, dim]``, ``n`` a multiple of the key group) and append them."""
         h, n, d = k.shape
-        g = self.group
-        kq, ks, km = quantize(k.reshape(h, n // g, g, d), dim=2, bits=self.bits)  # per channel
+        kg, vg = self.key_group, self.value_group
+        kq, ks, km = quantize(k.reshape(h, n // kg, kg, d), dim=2, bits=self.bits)  # per channel
         self.k_blocks.add(kq.reshape(h, n, d), ks, km)
-        vq, vs, vm = quantize(v.reshape(h, n, d // g, g), dim=3, bits=self.bits)  # per token
+        vq, vs, vm = quantize(v.reshape(h, n, d // vg, vg), dim=3, bits=self.bits)  # per token
         self.v_blocks.add(vq.reshape(h, n, d), vs, vm)
         self.quantized_tokens += n
 
@@ -113,10 +127,10 @@ class KIVILayer(CompressedLayer):
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]]:
         """Each block's codes, scale, min and its ``[heads, n, dim]`` shape grouped as quantized:
         keys over tokens (per channel), values over channels (per token)."""
-        g = self.group
+        kg, vg = self.key_group, self.value_group
         for packed, scale, mn in zip(blocks.codes, blocks.scales, blocks.mins, strict=True):
             h, n, d = packed.shape[0], packed.shape[1], packed.shape[2] * (8 // self.bits)
-            yield packed, scale, mn, ((h, n // g, g, d) if per_channel else (h, n, d // g, g))
+            yield packed, scale, mn, ((h, n // kg, kg, d) if per_channel else (h, n, d // vg, vg))
 
     def _dequantized(self, blocks: QuantBlocks, per_channel: bool) -> list[torch.Tensor]:
         """Each block as ``[heads, n, dim]`` in the model dtype."""
@@ -184,16 +198,19 @@ class KIVI(QuantizingCompressor):
         p = self.params
         if p.bits not in (2, 4):
             raise ValueError(f"kivi: bits must be 2 or 4, got {p.bits}")
-        if p.group < 1 or p.residual < p.group or p.residual % p.group:
-            raise ValueError(f"kivi: residual ({p.residual}) must be a positive multiple of group ({p.group})")
+        if p.group < 1 or p.key_group < 0 or p.value_group < 0:
+            raise ValueError(f"kivi: group sizes must be >= 1 (0: key_group and value_group take group), got {p}")
+        kg = p.groups[0]
+        if p.residual < kg or p.residual % kg:
+            raise ValueError(f"kivi: residual ({p.residual}) must be a positive multiple of the key group ({kg})")
 
     def quantize_layer(self, layer_idx, k, v, positions, obs) -> KIVILayer:
         p = self.params
-        if k.shape[2] % p.group:
-            raise ValueError(f"kivi: head_dim {k.shape[2]} is not a multiple of group {p.group}")
+        if k.shape[2] % p.groups[1]:
+            raise ValueError(f"kivi: head_dim {k.shape[2]} is not a multiple of the value group {p.groups[1]}")
         n = k.shape[1]
         nq = n - n % p.residual
-        layer = KIVILayer(p.bits, p.group, k.dtype, k[:, nq:].clone(), v[:, nq:].clone())
+        layer = KIVILayer(p.bits, p.groups, k.dtype, k[:, nq:].clone(), v[:, nq:].clone())
         if nq:
             layer.quantize_block(k[:, :nq], v[:, :nq])
         return layer
