@@ -177,7 +177,15 @@ def report(rows: list[dict]) -> str:
             (r for r in mine if "x16" in r), key=lambda r: (r["x16"]["geomean"], r["x32"]["geomean"]), reverse=True
         )
         lens = ", ".join(f"{k} {n}" for k, n in mine[0]["prompt_tokens"].items())
-        parts += [f"## {name} prompts ({lens} prompt tokens)", table([cells(r) for r in done], cols)]
+        within = [r for r in done if r["deploy_max"] <= BUDGET]
+        parts += [f"## {name} prompts ({lens} prompt tokens)", table([cells(r) for r in within], cols)]
+        over = [r for r in done if r["deploy_max"] > BUDGET]
+        if over:
+            parts += [
+                f"Over the budget, replayed for diagnosis (`--no-prune`): what {name} prompts' acceptance "
+                "would be with more bytes, or with one component alone",
+                table([cells(r) for r in over], cols),
+            ]
         pruned = [r for r in mine if "x16" not in r]
         if pruned:
             parts.append(

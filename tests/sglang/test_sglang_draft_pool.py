@@ -51,7 +51,11 @@ def _row_kv(pool: CompressedDraftPool, rid: str):
     return read_full_kv(pool.token_to_kv_pool, slots, pool.layout)
 
 
-QUANTIZED = ["kivi:bits=4,group=64,key_group=16,residual=64", "snapkv:ratio=0.4+kivi:bits=2,group=32,residual=32", "int8"]
+QUANTIZED = [
+    "kivi:bits=4,group=64,key_group=16,residual=64",
+    "snapkv:ratio=0.4+kivi:bits=2,group=32,residual=32",
+    "int8",
+]
 
 
 @pytest.mark.parametrize("spec", ["snapkv:ratio=0.125", "streamingllm:sink=4,window=256", *QUANTIZED])

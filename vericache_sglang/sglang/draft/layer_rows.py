@@ -38,12 +38,14 @@ if TYPE_CHECKING:
 class LayerRowsBackend:
     """``inner`` (a backend bound to the draft pools), each layer reading its own kept count."""
 
-    def __init__(self, inner: AttentionBackend, pool: CompressedDraftPool):
+    def __init__(self, inner: AttentionBackend, pool: CompressedDraftPool, table: torch.Tensor | None = None):
+        """``table``: another wrapper's, to share (one forward runs at a time, and each call
+        rewrites the rows it reads)."""
         self.inner = inner
         self.pool = pool
-        table = pool.req_to_token_pool.req_to_token
-        self._table = torch.zeros_like(table)  # the rows as one layer sees them, rewritten per call
-        self._view = SimpleNamespace(req_to_token=self._table)
+        # the rows as one layer sees them, rewritten per call
+        self.table = torch.zeros_like(pool.req_to_token_pool.req_to_token) if table is None else table
+        self._view = SimpleNamespace(req_to_token=self.table)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -64,7 +66,7 @@ class LayerRowsBackend:
             return
         for r in rows:
             slots = self.pool.layer_slots(r, layer_id)
-            self._table[r, : slots.numel()] = slots.to(self._table.dtype)
+            self.table[r, : slots.numel()] = slots.to(self.table.dtype)
         cut = torch.tensor(short, dtype=fb.seq_lens.dtype, device=fb.seq_lens.device)
         saved = (fb.seq_lens, fb.seq_lens_cpu, self.inner.req_to_token_pool)
         fb.seq_lens = fb.seq_lens - cut

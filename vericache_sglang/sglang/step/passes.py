@@ -74,8 +74,9 @@ class Passes:
             with pools_bound(runner, draft_pool.pools):
                 self.draft_chain_backend = ATTENTION_BACKENDS[CHAIN_BACKEND](runner)
         if draft_pool.per_layer:  # each layer reads its own kept count
-            self.draft_backend = LayerRowsBackend(self.draft_backend, draft_pool)
-            self.draft_chain_backend = LayerRowsBackend(self.draft_chain_backend, draft_pool)
+            rows = LayerRowsBackend(self.draft_backend, draft_pool)
+            self.draft_backend = rows
+            self.draft_chain_backend = LayerRowsBackend(self.draft_chain_backend, draft_pool, rows.table)
 
     @contextlib.contextmanager
     def using(self, backend: AttentionBackend | None, fb: ForwardBatch) -> Iterator[None]:

@@ -1,9 +1,12 @@
 """KIVI (Liu et al., 2024): asymmetric 2/4-bit KV quantization, keys per channel, values per token.
 
 Keys are quantized per channel over groups of ``group`` consecutive tokens; values per token over
-groups of ``group`` channels. The newest tokens stay in full precision in a residual of fewer than
-``residual`` tokens; when it reaches ``residual`` tokens it is quantized as a block (KIVI flushes
-keys this way; doing the same for values only changes which tokens sit in the residual).
+groups of ``group`` channels. ``key_group`` and ``value_group`` set the two apart: with KIVI over
+every token, the keys' grouping is what limits SmolLM2's drafting
+(``benchmarks/results/drafting_deploy.md``). The newest tokens stay in full precision in a residual
+of fewer than ``residual`` tokens; when it reaches ``residual`` tokens it is quantized as a block
+(KIVI flushes keys this way; doing the same for values only changes which tokens sit in the
+residual).
 """
 
 from __future__ import annotations
