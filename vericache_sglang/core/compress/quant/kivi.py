@@ -207,6 +207,14 @@ class KIVI(QuantizingCompressor):
         if p.residual < kg or p.residual % kg:
             raise ValueError(f"kivi: residual ({p.residual}) must be a positive multiple of the key group ({kg})")
 
+    @property
+    def base_spec(self) -> str:
+        # key_group / value_group spelled out only when set: a spec without them is the same KIVI
+        # as before they existed, under the same canonical string (stored copies are keyed by it)
+        p = self.params
+        spec = f"{self.name}:bits={p.bits},group={p.group},residual={p.residual}"
+        return spec + "".join(f",{k}={v}" for k, v in (("key_group", p.key_group), ("value_group", p.value_group)) if v)
+
     def quantize_layer(self, layer_idx, k, v, positions, obs) -> KIVILayer:
         p = self.params
         if k.shape[2] % p.groups[1]:
