@@ -2,8 +2,8 @@
 
 It reads the layout of ``vericache_sglang.core.compress.quant.quant`` (codes packed along the last dim,
 one (scale, min) per ``row_group`` rows and ``col_group`` columns), which is also its reference:
-``quant.dequantize(quant.unpack(...))``. KIVI keys use ``row_group=group`` (per channel over a
-token group); KIVI values use ``col_group=group`` (per token over a channel group).
+``quant.dequantize(quant.unpack(...))``. KIVI keys use ``row_group`` = the key group (per channel
+over a token group); KIVI values use ``col_group`` = the value group (per token over a channel group).
 """
 
 from __future__ import annotations

@@ -189,8 +189,17 @@ def test_lookup_under_sampling_commits_only_verified_tokens(tiny_runner, pre, ve
 def test_the_replay_estimator_matches_live_runs(tiny_runner, pre, reference, spec, x):
     store = FullKVStore(MemoryStore(), tiny_runner.layout, chunk_tokens=32)
     live = generate_vericache(tiny_runner, pre, parse_spec(spec), store, GenerationConfig(max_new_tokens=64, horizon=x))
-    est = replay(tiny_runner, pre, Trajectory.of(tiny_runner, pre, reference), parse_spec(spec), x)
+    traj, misses = Trajectory.of(tiny_runner, pre, reference), []
+    est = replay(tiny_runner, pre, traj, parse_spec(spec), x, misses=misses)
     assert est["committed"] == live.stats.committed
     assert est["lookup_accepted"] == live.stats.lookup_accepted
     if "trust=1" in spec:
         assert live.stats.lookup_drafted > 0
+    else:  # model drafts only: every window that stopped short has its miss, where full KV chose otherwise
+        short = [c for c, d in zip(est["committed"], est["horizons"], strict=True) if c - 1 < d]
+        assert len(misses) == len(short) > 0
+        for m in misses:
+            logits = traj.logits[m.step]
+            assert m.drafted != m.truth == traj.tokens[m.step] == int(logits.argmax())
+            assert m.full_margin == pytest.approx(float(logits.max() - logits.topk(2).values[1]))
+            assert m.full_margin >= 0 and m.draft_margin >= 0

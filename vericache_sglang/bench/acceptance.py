@@ -262,20 +262,11 @@ def replay(
 
         w = replay_window(g[c : c + x], predicted, propose, x, lookup)
         windows.append(w)
-        if misses is not None and predicted is not None and w.accepted < x:
-            j = c + w.accepted
-            if predicted[w.accepted] != g[j]:  # the model's draft (not a lookup chain's) missed
-                top = traj.logits[j].float().topk(2).values
-                row = out.logits[w.accepted].float()
-                misses.append(
-                    Miss(
-                        j,
-                        g[j],
-                        predicted[w.accepted],
-                        float(top[0] - top[1]),
-                        float(row[predicted[w.accepted]] - row[g[j]]),
-                    )
-                )
+        j = c + w.accepted  # the first wrong draft, when the model's (not a lookup chain's)
+        if misses is not None and predicted is not None and w.accepted < x and predicted[j - c] != g[j]:
+            top, row = traj.logits[j].float().topk(2).values, out.logits[j - c].float()
+            drafted = predicted[j - c]
+            misses.append(Miss(j, g[j], drafted, float(top[0] - top[1]), float(row[drafted] - row[g[j]])))
         t = w.accepted + 1  # the committed tokens; their inputs g[c-1 .. c+t-2] become exact
         a, b = c - 1, c - 1 + t
         exact = [(k[:, a:b], v[:, a:b]) for k, v in traj.kv]
