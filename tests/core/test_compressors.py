@@ -180,6 +180,9 @@ def test_kivi_key_and_value_groups_apart():
     k_true, v_true = kv.layers[0]
     both = parse_spec("kivi:bits=4,group=64,residual=64").compress(kv).layers[0]
     apart = parse_spec("kivi:bits=4,group=64,key_group=16,residual=64").compress(kv).layers[0]
+    # spelled in the canonical spec only when set: specs without them keep their strings
+    spec = parse_spec("kivi:key_group=16,group=64,residual=64,bits=4").spec
+    assert spec == "kivi:bits=4,group=64,residual=64,key_group=16"
     assert isinstance(apart, KIVILayer) and (apart.key_group, apart.value_group) == (16, 64)
     assert apart.quantized_tokens == both.quantized_tokens == 256
     # keys: one (scale, min) per channel per 16 tokens instead of 64; values unchanged

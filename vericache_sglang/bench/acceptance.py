@@ -262,11 +262,10 @@ def replay(
 
         w = replay_window(g[c : c + x], predicted, propose, x, lookup)
         windows.append(w)
-        j = c + w.accepted  # the first wrong draft, when the model's (not a lookup chain's)
-        if misses is not None and predicted is not None and w.accepted < x and predicted[j - c] != g[j]:
-            top, row = traj.logits[j].float().topk(2).values, out.logits[j - c].float()
-            drafted = predicted[j - c]
-            misses.append(Miss(j, g[j], drafted, float(top[0] - top[1]), float(row[drafted] - row[g[j]])))
+        i, j = w.accepted, c + w.accepted  # the first wrong draft, when the model's (not a lookup chain's)
+        if misses is not None and predicted is not None and i < x and predicted[i] != g[j]:
+            top, row = traj.logits[j].float().topk(2).values, out.logits[i].float()
+            misses.append(Miss(j, g[j], predicted[i], float(top[0] - top[1]), float(row[predicted[i]] - row[g[j]])))
         t = w.accepted + 1  # the committed tokens; their inputs g[c-1 .. c+t-2] become exact
         a, b = c - 1, c - 1 + t
         exact = [(k[:, a:b], v[:, a:b]) for k, v in traj.kv]

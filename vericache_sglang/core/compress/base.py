@@ -20,6 +20,9 @@ from vericache_sglang.core.kv import CompressedKV, CompressedLayer, FullKV
 from vericache_sglang.core.lookup import LookupParams
 from vericache_sglang.core.rows import GrowingRows, RowsField
 
+# dataclass field metadata: the parameter is spelled in the canonical spec only when set
+UNSET_OMITTED = "unset_omitted"
+
 
 class Compressor(ABC):
     """Base class. A new compressor subclasses it (or ``KeepingDropper``, ``QuantizingCompressor``) and is
@@ -116,9 +119,16 @@ class Compressor(ABC):
 
     @property
     def base_spec(self) -> str:
-        """The spec of what the compressed KV holds (without drafting modifiers)."""
-        fields = dataclasses.asdict(self.params)
-        return f"{self.name}:" + ",".join(f"{k}={v}" for k, v in fields.items())
+        """The spec of what the compressed KV holds (without drafting modifiers). A parameter marked
+        ``UNSET_OMITTED`` is left out at its default, so adding one keeps existing specs' strings
+        (stored compressed copies are keyed by them)."""
+        params = self.params
+        spelled = (
+            f"{f.name}={getattr(params, f.name)}"
+            for f in dataclasses.fields(params)
+            if not (f.metadata.get(UNSET_OMITTED) and getattr(params, f.name) == f.default)
+        )
+        return f"{self.name}:" + ",".join(spelled)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec}>"

@@ -12,11 +12,11 @@ residual).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from vericache_sglang.core.compress.base import QuantizingCompressor
+from vericache_sglang.core.compress.base import UNSET_OMITTED, QuantizingCompressor
 from vericache_sglang.core.compress.quant.quant import dequantize_packed, dequantize_packed_into, pack, quantize
 from vericache_sglang.core.kv import CompressedLayer
 from vericache_sglang.core.rows import RowsField, in_inference_mode, workspace
@@ -47,8 +47,8 @@ class KIVIParams:
     bits: int = 2
     group: int = 32
     residual: int = 128
-    key_group: int = 0
-    value_group: int = 0
+    key_group: int = field(default=0, metadata={UNSET_OMITTED: True})  # 0: group's; spelled when set
+    value_group: int = field(default=0, metadata={UNSET_OMITTED: True})
 
     @property
     def groups(self) -> tuple[int, int]:
@@ -206,14 +206,6 @@ class KIVI(QuantizingCompressor):
         kg = p.groups[0]
         if p.residual < kg or p.residual % kg:
             raise ValueError(f"kivi: residual ({p.residual}) must be a positive multiple of the key group ({kg})")
-
-    @property
-    def base_spec(self) -> str:
-        # key_group / value_group spelled out only when set: a spec without them is the same KIVI
-        # as before they existed, under the same canonical string (stored copies are keyed by it)
-        p = self.params
-        spec = f"{self.name}:bits={p.bits},group={p.group},residual={p.residual}"
-        return spec + "".join(f",{k}={v}" for k, v in (("key_group", p.key_group), ("value_group", p.value_group)) if v)
 
     def quantize_layer(self, layer_idx, k, v, positions, obs) -> KIVILayer:
         p = self.params
